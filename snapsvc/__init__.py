@@ -1,0 +1,47 @@
+"""snapsvc: checkpoints for PyTorch training that never make the GPU wait on disk.
+
+Files are flodl's ``.fdl`` format (version 2), byte for byte.
+"""
+
+from .checkpoint import (
+    Checkpoint,
+    LoadReport,
+    MigrateReport,
+    checkpoint_keys,
+    checkpoint_version,
+    load_checkpoint,
+    migrate_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+    structural_hash,
+)
+from .errors import (
+    ArchitectureMismatchError,
+    EncodeError,
+    FormatError,
+    ShapeMismatchError,
+    SnapsvcError,
+    StrictLoadError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "Checkpoint",
+    "LoadReport",
+    "MigrateReport",
+    "checkpoint_keys",
+    "checkpoint_version",
+    "load_checkpoint",
+    "migrate_checkpoint",
+    "read_checkpoint",
+    "save_checkpoint",
+    "structural_hash",
+    "SnapsvcError",
+    "FormatError",
+    "EncodeError",
+    "ArchitectureMismatchError",
+    "ShapeMismatchError",
+    "StrictLoadError",
+]

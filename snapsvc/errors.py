@@ -1,0 +1,64 @@
+"""The snapsvc exception hierarchy.
+
+Everything snapsvc raises on purpose derives from :class:`SnapsvcError`, so a
+training loop can catch one type. Errors about the bytes of a file also derive
+from :class:`ValueError`; a writer process that died derives from
+:class:`RuntimeError` (as ``concurrent.futures``' ``BrokenProcessPool`` does).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SnapsvcError",
+    "FormatError",
+    "EncodeError",
+    "ArchitectureMismatchError",
+    "ShapeMismatchError",
+    "StrictLoadError",
+]
+
+
+class SnapsvcError(Exception):
+    """Root of every error snapsvc raises on purpose."""
+
+
+class FormatError(SnapsvcError, ValueError):
+    """A checkpoint's bytes are not a valid ``.fdl`` stream.
+
+    The message names the file (when known), the byte offset in the
+    uncompressed stream, and the entry being read.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 offset: int | None = None, entry: str | None = None) -> None:
+        self.reason = message
+        self.path = path
+        self.offset = offset
+        self.entry = entry
+        where = []
+        if path is not None:
+            where.append(str(path))
+        if offset is not None:
+            where.append(f"offset {offset}")
+        if entry is not None:
+            where.append(f"entry {entry!r}")
+        super().__init__(": ".join(where + [message]))
+
+
+class EncodeError(SnapsvcError, ValueError):
+    """A tensor or name cannot be written in the ``.fdl`` format."""
+
+
+class ArchitectureMismatchError(SnapsvcError, ValueError):
+    """The file's structural hash differs from the model's."""
+
+
+class ShapeMismatchError(SnapsvcError, ValueError):
+    """A checkpoint entry's shape differs from the model tensor of that name."""
+
+
+class StrictLoadError(SnapsvcError, KeyError):
+    """``strict=True`` and the checkpoint and the model do not name the same tensors."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

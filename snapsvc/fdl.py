@@ -1,0 +1,396 @@
+"""The ``.fdl`` checkpoint codec (flodl format version 2), pure and streaming.
+
+This module turns (name, tensor) pairs into bytes and back. It opens no
+files, starts no processes or threads: it writes to any object with
+``write()`` and reads from any object with ``read()``/``readinto()``. File
+handling (temp files, fsync, gzip) lives in :mod:`snapsvc.durable` and
+:mod:`snapsvc.streams`.
+
+Byte layout (every integer little-endian; see ``shared/FORMAT.md``)::
+
+    offset  size          field
+    ------  ------------  ------------------------------------------
+    0       4             magic  b"FDLC"
+    4       4   u32       version (written 2; 1 and 2 are read)
+    8       32            structural hash (all zeros = no hash)
+    40      4   u32       count of entries
+    44      ...           count x entry:
+
+            +-----------+------------+---------+---------------+-----+-----------+--------+
+            | name_len  | name       | ndim    | shape         | tag | nbytes    | data   |
+            | u32       | UTF-8      | u32     | ndim x i64    | u8  | u64       | nbytes |
+            +-----------+------------+---------+---------------+-----+-----------+--------+
+
+    nothing follows the last entry.
+
+``data`` is the tensor's elements in row-major (C-contiguous) order, native
+little-endian, and ``nbytes == numel * element_size`` exactly.
+
+Decoding never trusts a declared length: every name length, rank, shape and
+byte count is checked against the bytes that remain (when the caller knows
+them) before anything is allocated, and streams of unknown length (gzip) are
+read in bounded pieces so memory follows the real data, not the header.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+from dataclasses import dataclass
+from typing import BinaryIO, Iterable, Iterator
+
+import torch
+
+from .errors import EncodeError, FormatError
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "SUPPORTED_VERSIONS",
+    "HASH_LEN",
+    "DTYPE_TO_TAG",
+    "TAG_TO_DTYPE",
+    "MAX_NAME_LEN",
+    "MAX_NDIM",
+    "Header",
+    "Entry",
+    "encode",
+    "encoded_size",
+    "check_encodable",
+    "Decoder",
+]
+
+if sys.byteorder != "little":  # the format stores native little-endian data
+    raise ImportError("snapsvc's .fdl codec needs a little-endian host")
+
+MAGIC = b"FDLC"
+VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+HASH_LEN = 32
+
+# Both directions written out, so a reader of this file sees the contract.
+DTYPE_TO_TAG: dict[torch.dtype, int] = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.int32: 5,
+    torch.int64: 6,
+}
+TAG_TO_DTYPE: dict[int, torch.dtype] = {
+    1: torch.float16,
+    2: torch.bfloat16,
+    3: torch.float32,
+    4: torch.float64,
+    5: torch.int32,
+    6: torch.int64,
+}
+
+# Limits a real checkpoint never reaches; they stop a hostile header from
+# asking for absurd work when the stream's length is unknown (gzip).
+MAX_NAME_LEN = 1 << 20
+MAX_NDIM = 64
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_HEADER = struct.Struct("<4sI32sI")  # magic, version, hash, count
+_MIN_ENTRY = 4 + 4 + 1 + 8           # empty name, scalar: smallest entry
+_PIECE = 64 << 20                    # read unknown-length data in 64 MiB pieces
+
+
+def _supported() -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in DTYPE_TO_TAG)
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fixed 44-byte file header."""
+
+    version: int
+    structural_hash: bytes
+    count: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One decoded entry. ``tensor`` is None when data was skipped."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    offset: int                     # stream offset of the entry's name length
+    tensor: torch.Tensor | None
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy).
+
+    ctypes rather than numpy: numpy is optional for torch and has no bfloat16.
+    """
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def check_encodable(name: object, tensor: object) -> bytes:
+    """Return ``name`` as UTF-8, or raise :class:`EncodeError` saying why not."""
+    if not isinstance(name, str):
+        raise EncodeError(f"entry name {name!r} is not a str")
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EncodeError(f"entry {name!r}: name is not encodable as UTF-8 ({e})") from None
+    if len(raw) > MAX_NAME_LEN:
+        raise EncodeError(f"entry {name[:40]!r}...: name is {len(raw)} bytes, "
+                          f"the limit is {MAX_NAME_LEN}")
+    if not isinstance(tensor, torch.Tensor):
+        raise EncodeError(f"entry {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise EncodeError(f"entry {name!r}: {tensor.layout} tensors cannot be written; "
+                          "convert with .to_dense() first")
+    if tensor.is_quantized:
+        raise EncodeError(f"entry {name!r}: quantized tensors cannot be written; "
+                          "dequantize first")
+    if tensor.device.type == "meta":
+        raise EncodeError(f"entry {name!r}: a meta tensor has no data to write; "
+                          "materialize the model first")
+    if tensor.dtype not in DTYPE_TO_TAG:
+        raise EncodeError(f"entry {name!r}: dtype {tensor.dtype} has no .fdl tag; "
+                          f"supported dtypes are {_supported()}")
+    if tensor.dim() > MAX_NDIM:
+        raise EncodeError(f"entry {name!r}: rank {tensor.dim()} exceeds {MAX_NDIM}")
+    return raw
+
+
+def _entry_head(raw_name: bytes, t: torch.Tensor) -> bytes:
+    nbytes = t.numel() * t.element_size()
+    return b"".join((
+        _U32.pack(len(raw_name)), raw_name,
+        _U32.pack(t.dim()), struct.pack(f"<{t.dim()}q", *t.shape),
+        bytes((DTYPE_TO_TAG[t.dtype],)), _U64.pack(nbytes),
+    ))
+
+
+def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Bytes the uncompressed stream for ``entries`` will take."""
+    total = _HEADER.size
+    for name, t in entries:
+        total += _MIN_ENTRY + len(name.encode("utf-8")) + 8 * t.dim() + t.numel() * t.element_size()
+    return total
+
+
+def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
+           structural_hash: bytes | None = None) -> int:
+    """Write ``entries`` as one ``.fdl`` stream to ``writer``; return bytes written.
+
+    Every entry is validated before the first byte is written, so a refused
+    dtype or a duplicate name leaves ``writer`` untouched. Data then goes out
+    one tensor at a time: the whole file is never built in memory. Tensors on
+    another device are copied to the CPU one at a time; non-contiguous ones
+    are written in row-major order.
+    """
+    pairs = list(entries)
+    raw_names = []
+    seen: set[str] = set()
+    for name, t in pairs:
+        raw_names.append(check_encodable(name, t))
+        if name in seen:
+            raise EncodeError(f"entry {name!r} appears twice; names must be unique")
+        seen.add(name)
+    if structural_hash is None:
+        structural_hash = bytes(HASH_LEN)
+    if len(structural_hash) != HASH_LEN:
+        raise EncodeError(f"structural hash must be {HASH_LEN} bytes, got {len(structural_hash)}")
+    if len(pairs) > 0xFFFFFFFF:
+        raise EncodeError(f"{len(pairs)} entries exceed the format's u32 count")
+
+    written = writer.write(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
+    for raw, (_, t) in zip(raw_names, pairs):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        head = _entry_head(raw, t)
+        writer.write(head)
+        written += len(head)
+        if t.numel():
+            written += t.numel() * t.element_size()
+            writer.write(_byte_view(t))
+    return written
+
+
+class Decoder:
+    """Streaming reader of one ``.fdl`` stream.
+
+    ``size`` is the number of bytes the stream holds from its current
+    position, when the caller knows it (a plain file); every declared length
+    is then bounded by it before allocation. With ``size=None`` (gzip, pipes)
+    data is read in bounded pieces. ``seekable=True`` lets :meth:`entries`
+    skip data with ``seek`` instead of reading it. ``path`` only names the
+    source in errors.
+    """
+
+    def __init__(self, stream: BinaryIO, *, size: int | None = None,
+                 seekable: bool = False, path: str | None = None) -> None:
+        self._stream = stream
+        self._size = size
+        self._seekable = seekable
+        self._path = path
+        self._pos = 0
+        self._entry: str | None = None
+        self.header: Header | None = None
+
+    # -- low level ------------------------------------------------------
+    def _fail(self, message: str, offset: int | None = None) -> FormatError:
+        return FormatError(message, path=self._path,
+                           offset=self._pos if offset is None else offset, entry=self._entry)
+
+    def _remaining(self) -> int | None:
+        return None if self._size is None else self._size - self._pos
+
+    def _bound(self, n: int, what: str) -> None:
+        left = self._remaining()
+        if left is not None and n > left:
+            raise self._fail(f"{what} declares {n} bytes but only {left} remain")
+
+    def _read(self, n: int, what: str) -> bytes:
+        """Read exactly ``n`` small bytes (headers, names)."""
+        self._bound(n, what)
+        data = self._stream.read(n)
+        if len(data) != n:
+            raise self._fail(f"truncated: {what} needs {n} bytes, stream ends after {len(data)}")
+        self._pos += n
+        return data
+
+    def _readinto(self, view: memoryview, what: str) -> None:
+        got = 0
+        n = len(view)
+        while got < n:
+            k = self._stream.readinto(view[got:])
+            if not k:
+                raise self._fail(f"truncated: {what} needs {n} bytes, stream ends after {got}",
+                                 offset=self._pos)
+            got += k
+        self._pos += n
+
+    def _read_data(self, nbytes: int, what: str) -> torch.Tensor:
+        """Read ``nbytes`` into a fresh uint8 tensor without trusting ``nbytes``."""
+        self._bound(nbytes, what)
+        if self._size is not None or nbytes <= _PIECE:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                self._readinto(_byte_view(buf), what)
+            return buf
+        # Unknown length and a large claim: allocate only as data arrives.
+        pieces = []
+        left = nbytes
+        while left:
+            piece = torch.empty(min(left, _PIECE), dtype=torch.uint8)
+            self._readinto(_byte_view(piece), what)
+            pieces.append(piece)
+            left -= piece.numel()
+        return torch.cat(pieces)
+
+    def _skip(self, nbytes: int, what: str) -> None:
+        self._bound(nbytes, what)
+        if self._seekable and self._size is not None:
+            self._stream.seek(nbytes, 1)
+            self._pos += nbytes
+            return
+        left = nbytes
+        while left:
+            chunk = self._stream.read(min(left, 1 << 20))
+            if not chunk:
+                raise self._fail(f"truncated: {what} needs {nbytes} bytes, "
+                                 f"stream ends after {nbytes - left}")
+            left -= len(chunk)
+            self._pos += len(chunk)
+
+    # -- the format -----------------------------------------------------
+    def read_version(self) -> int:
+        """Read and check magic and version only."""
+        magic = self._read(4, "magic")
+        if magic != MAGIC:
+            raise self._fail(f"invalid checkpoint: bad magic {magic!r}, expected {MAGIC!r}", 0)
+        (version,) = _U32.unpack(self._read(4, "version"))
+        if version not in SUPPORTED_VERSIONS:
+            raise self._fail(f"unsupported .fdl version {version}; this reader supports "
+                             f"versions {SUPPORTED_VERSIONS[0]} to {SUPPORTED_VERSIONS[-1]}", 4)
+        return version
+
+    def read_header(self) -> Header:
+        """Read and check magic, version, hash and count."""
+        if self.header is not None:
+            return self.header
+        version = self.read_version()
+        hash_ = self._read(HASH_LEN, "structural hash")
+        (count,) = _U32.unpack(self._read(4, "entry count"))
+        left = self._remaining()
+        if left is not None and count * _MIN_ENTRY > left:
+            raise self._fail(f"entry count {count} needs at least {count * _MIN_ENTRY} bytes "
+                             f"but only {left} remain", 40)
+        self.header = Header(version, hash_, count)
+        return self.header
+
+    def _read_entry(self, load: bool) -> Entry:
+        offset = self._pos
+        (name_len,) = _U32.unpack(self._read(4, "name length"))
+        if name_len > MAX_NAME_LEN:
+            raise self._fail(f"name length {name_len} exceeds the limit {MAX_NAME_LEN}", offset)
+        raw = self._read(name_len, "name")
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self._fail(f"entry name is not valid UTF-8 ({e.reason} at byte {e.start})",
+                             offset + 4) from None
+        self._entry = name
+        (ndim,) = _U32.unpack(self._read(4, "ndim"))
+        if ndim > MAX_NDIM:
+            raise self._fail(f"ndim {ndim} exceeds the limit {MAX_NDIM}", self._pos - 4)
+        shape = struct.unpack(f"<{ndim}q", self._read(8 * ndim, "shape"))
+        numel = 1
+        for d in shape:
+            if d < 0:
+                raise self._fail(f"negative dimension in shape {list(shape)}", self._pos - 8 * ndim)
+            numel *= d
+        tag_at = self._pos
+        tag = self._read(1, "dtype tag")[0]
+        dtype = TAG_TO_DTYPE.get(tag)
+        if dtype is None:
+            raise self._fail(f"unknown dtype tag {tag}; known tags are "
+                             f"{sorted(TAG_TO_DTYPE)}", tag_at)
+        (nbytes,) = _U64.unpack(self._read(8, "byte count"))
+        expected = numel * dtype.itemsize
+        if nbytes != expected:
+            raise self._fail(f"byte count {nbytes} does not match shape {list(shape)} x "
+                             f"{dtype.itemsize} bytes ({expected})", self._pos - 8)
+        tensor = None
+        if load:
+            data = self._read_data(nbytes, "tensor data")
+            tensor = data.view(dtype).reshape(shape)
+        else:
+            self._skip(nbytes, "tensor data")
+        return Entry(name, tuple(shape), dtype, nbytes, offset, tensor)
+
+    def entries(self, *, load: bool = True) -> Iterator[Entry]:
+        """Yield every entry in file order, then check that nothing follows.
+
+        With ``load=False`` the data is skipped and ``Entry.tensor`` is None.
+        """
+        header = self.read_header()
+        seen: set[str] = set()
+        for _ in range(header.count):
+            self._entry = None
+            entry = self._read_entry(load)
+            if entry.name in seen:
+                raise self._fail("duplicate entry name", entry.offset)
+            seen.add(entry.name)
+            yield entry
+        self._entry = None
+        left = self._remaining()
+        if left is not None:
+            if left:
+                raise self._fail(f"{left} unexpected bytes after the last entry")
+        elif self._stream.read(1):
+            raise self._fail("unexpected bytes after the last entry")
