@@ -15,14 +15,18 @@ from .checkpoint import (
     save_checkpoint,
     structural_hash,
 )
+from .client import SnapshotWriter, WriteHandle, WriteReport
 from .errors import (
     ArchitectureMismatchError,
+    BrokenWriterError,
     EncodeError,
     FormatError,
     ShapeMismatchError,
     SnapsvcError,
     StrictLoadError,
+    WriteFailedError,
 )
+from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 
 __version__ = "0.1.0"
 
@@ -38,10 +42,18 @@ __all__ = [
     "read_checkpoint",
     "save_checkpoint",
     "structural_hash",
+    "ModelSnapshot",
+    "snapshot_cpu",
+    "load_snapshot",
+    "SnapshotWriter",
+    "WriteHandle",
+    "WriteReport",
     "SnapsvcError",
     "FormatError",
     "EncodeError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
+    "BrokenWriterError",
+    "WriteFailedError",
 ]

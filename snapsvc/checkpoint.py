@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Union
 
@@ -25,6 +26,7 @@ from .streams import PathOrFile, gzip_writer, is_gzip_path, open_source
 
 __all__ = [
     "Checkpoint",
+    "FileStats",
     "LoadReport",
     "MigrateReport",
     "save_checkpoint",
@@ -34,8 +36,11 @@ __all__ = [
     "checkpoint_version",
     "migrate_checkpoint",
     "structural_hash",
+    "layout_hash",
     "model_tensors",
     "persistent_buffers",
+    "write_checkpoint_file",
+    "encode_to",
 ]
 
 Tensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -71,9 +76,14 @@ def structural_hash(model: nn.Module) -> str:
     has an empty shape field. Values, devices and ``requires_grad`` do not go
     in, so the hash is the same across processes, runs and devices.
     """
+    return layout_hash(model.named_parameters(), persistent_buffers(model))
+
+
+def layout_hash(params: Iterable[tuple[str, torch.Tensor]],
+                buffers: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """:func:`structural_hash` of explicit (name, tensor) pairs."""
     h = hashlib.sha256(b"snapsvc-structural-hash-v1\n")
-    params = list(model.named_parameters())
-    for kind, pairs in (("param", params), ("buffer", list(persistent_buffers(model)))):
+    for kind, pairs in (("param", params), ("buffer", buffers)):
         for name, t in pairs:
             dtype = str(t.dtype).removeprefix("torch.")
             shape = ",".join(str(d) for d in t.shape)
@@ -112,19 +122,41 @@ def _pairs(tensors: Tensors | None) -> list[tuple[str, torch.Tensor]]:
 
 
 # -- save ----------------------------------------------------------------------
-def encode_to(dest: PathOrFile, entries: list[tuple[str, torch.Tensor]], hash_: bytes, *,
-              compress_level: int | None = None) -> int:
-    """Encode to a path (durably; gzip on ``.gz``) or a file object.
+@dataclass
+class FileStats:
+    """What writing one checkpoint file cost, and what it holds."""
 
-    Returns the uncompressed stream size.
-    """
+    path: str
+    bytes: int          # on disk (compressed, when gzip)
+    crc32: int          # of the bytes on disk
+    stream_bytes: int   # uncompressed .fdl stream
+    encode_s: float     # encoding and compression, excluding OS writes
+    write_s: float      # inside the OS's write calls
+    fsync_s: float      # file and directory fsync
+
+
+def write_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
+                          hash_: bytes, *, compress_level: int | None = None) -> FileStats:
+    """Encode ``entries`` durably to ``path`` (gzip when it ends in ``.gz``)."""
+    t0 = time.perf_counter()
+    with atomic_write(path) as out:
+        if is_gzip_path(path):
+            with gzip_writer(out, compress_level) as gz:
+                stream_bytes = fdl.encode(gz, entries, structural_hash=hash_)
+        else:
+            stream_bytes = fdl.encode(out, entries, structural_hash=hash_)
+        encoded = time.perf_counter() - t0
+    return FileStats(out.path, out.size, out.crc32, stream_bytes, encoded - out.write_s,
+                     out.write_s, out.fsync_s)
+
+
+def encode_to(dest: PathOrFile, entries: list[tuple[str, torch.Tensor]], hash_: bytes, *,
+              compress_level: int | None = None) -> None:
+    """Encode to a path (durably; gzip on ``.gz``) or to a writable binary file."""
     if isinstance(dest, (str, os.PathLike)):
-        with atomic_write(dest) as out:
-            if is_gzip_path(dest):
-                with gzip_writer(out.file, compress_level) as gz:
-                    return fdl.encode(gz, entries, structural_hash=hash_)
-            return fdl.encode(out.file, entries, structural_hash=hash_)
-    return fdl.encode(dest, entries, structural_hash=hash_)
+        write_checkpoint_file(dest, entries, hash_, compress_level=compress_level)
+    else:
+        fdl.encode(dest, entries, structural_hash=hash_)
 
 
 def save_checkpoint(dest: PathOrFile, params: nn.Module | Tensors,

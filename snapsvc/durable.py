@@ -12,22 +12,41 @@ import os
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-__all__ = ["TMP_SUFFIX", "DurableFile", "atomic_write", "fsync_dir"]
+from isal import isal_zlib
+
+__all__ = ["TMP_SUFFIX", "DurableFile", "atomic_write", "fsync_dir", "remove_stale_temps"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
 
 
-@dataclass
 class DurableFile:
-    """What :func:`atomic_write` yields; the timings are filled in on exit."""
+    """What :func:`atomic_write` yields: a write-only file that keeps the
+    CRC-32 and size of every byte written, and the seconds spent in the OS."""
 
-    file: BinaryIO
-    path: str
-    tmp_path: str
-    fsync_s: float = 0.0
+    def __init__(self, file: BinaryIO, path: str, tmp_path: str) -> None:
+        self._file = file
+        self.path = path
+        self.tmp_path = tmp_path
+        self.size = 0
+        self.crc32 = 0
+        self.write_s = 0.0
+        self.fsync_s = 0.0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        t0 = time.perf_counter()
+        n = self._file.write(data)
+        self.write_s += time.perf_counter() - t0
+        self.crc32 = isal_zlib.crc32(data, self.crc32)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._file.flush()
 
 
 def fsync_dir(directory: str) -> None:
@@ -47,13 +66,17 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=TMP_SUFFIX,
-                               dir=directory)
+    # The pid in the name lets remove_stale_temps tell a dead writer's leftovers
+    # from a live writer's work in progress.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.",
+                               suffix=TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             out = DurableFile(f, path, tmp)
             yield out
+            t0 = time.perf_counter()
             f.flush()
+            out.write_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             os.fsync(f.fileno())
             out.fsync_s = time.perf_counter() - t0
@@ -67,3 +90,35 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     t0 = time.perf_counter()
     fsync_dir(directory)
     out.fsync_s += time.perf_counter() - t0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
+    """Delete temp files in ``directory`` whose writing process is dead; return them."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+            continue
+        parts = name[: -len(TMP_SUFFIX)].rsplit(".", 2)  # [".<base>", pid, random]
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -15,6 +15,8 @@ __all__ = [
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
+    "BrokenWriterError",
+    "WriteFailedError",
 ]
 
 
@@ -62,3 +64,20 @@ class StrictLoadError(SnapsvcError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class BrokenWriterError(SnapsvcError, RuntimeError):
+    """The writer sidecar died (or never started); pending writes are lost to it.
+
+    Like ``concurrent.futures``' ``BrokenProcessPool``. The message names the
+    exit code or the signal. With ``restart=True`` the next submit starts a
+    new sidecar.
+    """
+
+
+class WriteFailedError(SnapsvcError, OSError):
+    """The sidecar could not write a checkpoint; ``errno`` and ``filename`` say why and where.
+
+    The temp file is removed, and the previous checkpoint of that name and its
+    metadata are untouched.
+    """

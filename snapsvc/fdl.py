@@ -97,6 +97,7 @@ _U64 = struct.Struct("<Q")
 _HEADER = struct.Struct("<4sI32sI")  # magic, version, hash, count
 _MIN_ENTRY = 4 + 4 + 1 + 8           # empty name, scalar: smallest entry
 _PIECE = 64 << 20                    # read unknown-length data in 64 MiB pieces
+_I64_MAX = (1 << 63) - 1
 
 
 def _supported() -> str:
@@ -263,14 +264,16 @@ class Decoder:
         self._pos += n
         return data
 
-    def _readinto(self, view: memoryview, what: str) -> None:
+    def _readinto(self, view: memoryview, what: str, need: int | None = None,
+                  done: int = 0) -> None:
+        """Fill ``view``: a piece of a ``need``-byte field of which ``done`` are read."""
         got = 0
         n = len(view)
         while got < n:
             k = self._stream.readinto(view[got:])
             if not k:
-                raise self._fail(f"truncated: {what} needs {n} bytes, stream ends after {got}",
-                                 offset=self._pos)
+                raise self._fail(f"truncated: {what} needs {n if need is None else need} bytes, "
+                                 f"stream ends after {done + got}", offset=self._pos - done)
             got += k
         self._pos += n
 
@@ -287,7 +290,7 @@ class Decoder:
         left = nbytes
         while left:
             piece = torch.empty(min(left, _PIECE), dtype=torch.uint8)
-            self._readinto(_byte_view(piece), what)
+            self._readinto(_byte_view(piece), what, nbytes, nbytes - left)
             pieces.append(piece)
             left -= piece.numel()
         return torch.cat(pieces)
@@ -303,7 +306,8 @@ class Decoder:
             chunk = self._stream.read(min(left, 1 << 20))
             if not chunk:
                 raise self._fail(f"truncated: {what} needs {nbytes} bytes, "
-                                 f"stream ends after {nbytes - left}")
+                                 f"stream ends after {nbytes - left}",
+                                 offset=self._pos - (nbytes - left))
             left -= len(chunk)
             self._pos += len(chunk)
 
@@ -350,10 +354,15 @@ class Decoder:
             raise self._fail(f"ndim {ndim} exceeds the limit {MAX_NDIM}", self._pos - 4)
         shape = struct.unpack(f"<{ndim}q", self._read(8 * ndim, "shape"))
         numel = 1
+        nonzero = 1  # sizes past int64 are no tensor (torch refuses them even when numel is 0)
         for d in shape:
             if d < 0:
                 raise self._fail(f"negative dimension in shape {list(shape)}", self._pos - 8 * ndim)
             numel *= d
+            nonzero *= max(d, 1)
+        if nonzero > _I64_MAX:
+            raise self._fail(f"shape {list(shape)} overflows: its sizes multiply past 2**63 - 1",
+                             self._pos - 8 * ndim)
         tag_at = self._pos
         tag = self._read(1, "dtype tag")[0]
         dtype = TAG_TO_DTYPE.get(tag)
@@ -382,7 +391,14 @@ class Decoder:
         seen: set[str] = set()
         for _ in range(header.count):
             self._entry = None
-            entry = self._read_entry(load)
+            try:
+                entry = self._read_entry(load)
+            except FormatError as e:
+                if e.entry is not None or self._entry is None:
+                    raise
+                # The stream itself (gzip) failed inside an entry: name it.
+                raise FormatError(e.reason, path=e.path, offset=e.offset,
+                                  entry=self._entry) from None
             if entry.name in seen:
                 raise self._fail("duplicate entry name", entry.offset)
             seen.add(entry.name)

@@ -1,0 +1,595 @@
+"""``SnapshotWriter``: the trainer's side of the checkpoint sidecar.
+
+Data flow between the two processes::
+
+    trainer process                                   writer process (snapsvc.writer)
+    ---------------                                   -------------------------------
+    submit(model, path)
+      | pick slot k (policy block/skip/latest)
+      | copy params+buffers ---> slot k  ====== one shared-memory mapping per slot ======
+      | claim[k] = seq                             (sent once: {SLOT k, layout} + handle)
+      | req pipe: {WRITE seq, k, path, ...} ---->  claim k (or skip if superseded)
+      v return WriteHandle                         encode .fdl(.gz) from slot k
+                                                   temp file -> fsync -> rename -> .meta
+    reader thread  <---- rep pipe: {DONE seq, ok | error, bytes, timings}
+      resolve handle; slot k free again
+      writer sentinel fires -> BrokenWriterError on every pending handle
+
+Messages are msgpack written synchronously with ``send_bytes``, so a submit
+that returned has its message in the kernel's pipe buffer: a SIGKILL of the
+trainer cannot lose it, and the writer drains the pipe before it exits.
+Reports come back in submit order because the writer works in order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.multiprocessing as tmp
+from torch import nn
+
+from . import protocol, staging
+from .checkpoint import layout_hash
+from .durable import remove_stale_temps
+from .errors import BrokenWriterError, WriteFailedError
+from .snapshot import ModelSnapshot, as_metrics, model_sources
+from .writer import REVOKED, writer_main
+
+__all__ = ["SnapshotWriter", "WriteHandle", "WriteReport", "POLICIES"]
+
+log = logging.getLogger("snapsvc")
+
+POLICIES = ("block", "skip", "latest")
+_RESERVED = 0          # slot.seq while a submit is staging into it
+_START_TIMEOUT = 120.0  # spawn + import torch on a loaded 2-core box can be slow
+_EXIT_TIMEOUT = 60.0
+_live: "weakref.WeakSet[SnapshotWriter]" = weakref.WeakSet()
+
+
+@dataclass
+class WriteReport:
+    """How one submitted snapshot went. Times are seconds."""
+
+    path: str
+    bytes: int = 0          # file size on disk
+    entries: int = 0
+    skipped: bool = False   # policy "skip" found no slot, or "latest" replaced it
+    stage_s: float = 0.0    # submit(): the training loop's stall
+    queue_s: float = 0.0    # message sent -> writer starts
+    encode_s: float = 0.0   # encoding and compression
+    write_s: float = 0.0    # in the OS's write calls
+    fsync_s: float = 0.0    # fsyncs of file, metadata and directory
+    total_s: float = 0.0    # submit() called -> report received
+    seq: int = 0
+
+
+class WriteHandle:
+    """A pending write, like a ``concurrent.futures.Future`` of a :class:`WriteReport`."""
+
+    def __init__(self, seq: int, path: str) -> None:
+        self.seq = seq
+        self.path = path
+        self._future: Future[WriteReport] = Future()
+
+    def result(self, timeout: float | None = None) -> WriteReport:
+        """The report; raises the write's error, or ``TimeoutError`` after ``timeout``."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[["WriteHandle"], Any]) -> None:
+        """Call ``fn(handle)`` when done (at once if already done)."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<WriteHandle seq={self.seq} {self.path!r} {state}>"
+
+
+class _Slot:
+    def __init__(self, sid: int, layout: staging.Layout, pin: bool) -> None:
+        self.id = sid
+        self.layout = layout
+        self.pinned = pin
+        self.flat = staging.allocate(layout, pin=pin)
+        self.views = staging.views(self.flat, layout)
+        self.claim = staging.claim_word(self.flat)
+        self.seq: int | None = None   # None free, _RESERVED staging, else in flight
+        self.gen = -1                 # writer generation that has it mapped
+
+    def release(self) -> None:
+        if self.pinned:
+            staging.unpin(self.flat)
+            self.pinned = False
+
+
+@dataclass
+class _Pending:
+    handle: WriteHandle
+    slot: _Slot
+    started: float
+    stage_s: float
+    gen: int
+
+
+class SnapshotWriter:
+    """Owns one writer sidecar process and the shared-memory slots it reads.
+
+    ``directory``: base for relative paths (created if missing). ``slots``:
+    snapshots in flight per model layout (memory is ``slots x model bytes``).
+    ``policy`` when every slot is busy: ``"block"`` waits, ``"skip"`` drops
+    this snapshot, ``"latest"`` replaces the newest queued, unstarted one.
+    ``keep_last``: keep only the newest N files this writer wrote per
+    directory. ``compress_level``: isal gzip level for ``.gz`` paths.
+    ``restart``: a dead sidecar is restarted by the next submit.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,
+                 policy: str = "block", keep_last: int | None = None,
+                 compress_level: int | None = None, start_method: str = "spawn",
+                 restart: bool = True, fault_hook: Callable[[str, str], None] | None = None
+                 ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if compress_level is not None and not 0 <= compress_level <= 3:
+            raise ValueError(f"compress_level must be 0..3 (isal's levels), got {compress_level}")
+        self.directory = os.path.abspath(directory) if directory is not None else None
+        self.slots = slots
+        self.policy = policy
+        self.restart = restart
+        self._ctx = tmp.get_context(start_method)
+        self._options = {"keep_last": keep_last, "compress_level": compress_level,
+                         "fault_hook": fault_hook}
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._pools: dict[tuple, list[_Slot]] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._dirs: set[str] = set()
+        self._seq = 0
+        self._sid = 0
+        self._gen = 0
+        self._proc: Any = None
+        self._req: Any = None
+        self._claim_lock: Any = None
+        self._reader: threading.Thread | None = None
+        self._broken: BrokenWriterError | None = None
+        self._closed = False
+        self._stream = None
+        self._counts = {"submitted": 0, "written": 0, "skipped": 0, "failed": 0,
+                        "broken": 0, "restarts": 0, "bytes": 0}
+        self._stalls: deque[float] = deque(maxlen=10_000)
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """The sidecar's process id (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def __enter__(self) -> "SnapshotWriter":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> "SnapshotWriter":
+        """Launch the sidecar; return once it has confirmed it is ready."""
+        if self._closed:
+            raise RuntimeError("this SnapshotWriter is closed; make a new one")
+        if self._proc is not None and self._broken is None:
+            return self
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            self._dirs.add(self.directory)
+        for d in self._dirs:
+            for path in remove_stale_temps(d):
+                log.warning("removed %s left by a dead writer", path)
+        req_r, req_w = self._ctx.Pipe(duplex=False)
+        rep_r, rep_w = self._ctx.Pipe(duplex=False)
+        lock = self._ctx.Lock()
+        proc = self._ctx.Process(target=writer_main, args=(req_r, rep_w, lock, self._options),
+                                 name="snapsvc-writer", daemon=True)
+        proc.start()
+        req_r.close()  # our copies of the child's ends: EOF must mean the peer is gone
+        rep_w.close()
+        ready = wait([rep_r, proc.sentinel], timeout=_START_TIMEOUT)
+        msg = None
+        if rep_r in ready:
+            try:
+                msg = protocol.unpack(rep_r.recv_bytes())
+            except (EOFError, OSError):
+                pass
+        if msg is None or msg["op"] != protocol.READY:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            req_w.close()
+            rep_r.close()
+            raise BrokenWriterError(f"the writer sidecar did not start: {_describe(proc)}")
+        with self._cond:
+            self._gen += 1
+            gen = self._gen
+            self._proc, self._req, self._claim_lock = proc, req_w, lock
+            self._broken = None
+        _live.add(self)
+        self._reader = threading.Thread(target=self._read_reports, args=(gen, rep_r, proc),
+                                        name="snapsvc-reports", daemon=True)
+        self._reader.start()
+        return self
+
+    def _ensure_running(self) -> None:
+        if self._closed:
+            raise RuntimeError("this SnapshotWriter is closed; make a new one")
+        if self._proc is None:
+            self.start()
+        elif self._broken is not None:
+            if not self.restart:
+                raise self._broken
+            self._reap()
+            self._counts["restarts"] += 1
+            log.warning("restarting the writer sidecar after: %s", self._broken)
+            self.start()
+
+    def _reap(self) -> None:
+        """Forget a dead sidecar: join its reader, close our pipe ends."""
+        if self._reader is not None:
+            self._reader.join(5)
+        if self._req is not None:
+            self._req.close()
+        if self._proc is not None:
+            self._proc.join(5)
+        self._proc = self._req = self._reader = None
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for every queued snapshot to be written, then stop the sidecar.
+
+        After ``timeout`` seconds the sidecar is killed; the snapshots it had
+        not written are logged by path and their handles fail.
+        """
+        if self._proc is None:
+            self._closed = True
+            self._release_slots()
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending and self._broken is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            late = [p.handle.path for p in self._pending.values()]
+        if late:
+            log.error("snapsvc: %d snapshot(s) not written within %.1f s: %s",
+                      len(late), timeout, ", ".join(late))
+        self._send(protocol.pack(protocol.STOP))
+        self._proc.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
+        if self._proc.is_alive():
+            self._proc.kill()
+        if self._reader is not None:
+            self._reader.join(10)
+        self._reap()
+        self._closed = True
+        _live.discard(self)
+        self._release_slots()
+
+    close = finish
+
+    def _release_slots(self) -> None:
+        for pool in self._pools.values():
+            for slot in pool:
+                slot.release()
+        self._pools.clear()
+
+    # -- reports ---------------------------------------------------------------
+    def _read_reports(self, gen: int, rep: Any, proc: Any) -> None:
+        try:
+            while True:
+                ready = wait([rep, proc.sentinel])
+                if rep in ready:
+                    try:
+                        data = rep.recv_bytes()
+                    except (EOFError, OSError):
+                        data = None
+                    if data is not None:
+                        self._on_report(gen, protocol.unpack(data))
+                        continue
+                proc.join(5)
+                self._on_exit(gen, proc)
+                return
+        finally:
+            rep.close()
+
+    def _on_report(self, gen: int, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == protocol.SLOT_OK:
+            with self._cond:
+                for pool in self._pools.values():
+                    for slot in pool:
+                        if slot.id == msg["slot"]:
+                            slot.gen = gen
+                self._cond.notify_all()
+            return
+        if op != protocol.DONE:
+            log.error("unexpected message from the writer: %r", op)
+            return
+        with self._cond:
+            p = self._pending.pop(msg["seq"], None)
+            if p is None:  # superseded under "latest": already resolved at submit
+                return
+            p.slot.seq = None
+            self._cond.notify_all()
+        if msg["ok"]:
+            report = WriteReport(
+                path=msg["path"], bytes=msg.get("bytes", 0), entries=msg.get("entries", 0),
+                skipped=msg.get("superseded", False), stage_s=p.stage_s, queue_s=msg["queue_s"],
+                encode_s=msg.get("encode_s", 0.0), write_s=msg.get("write_s", 0.0),
+                fsync_s=msg.get("fsync_s", 0.0), total_s=time.monotonic() - p.started,
+                seq=msg["seq"])
+            self._counts["skipped" if report.skipped else "written"] += 1
+            self._counts["bytes"] += report.bytes
+            p.handle._future.set_result(report)
+        else:
+            self._counts["failed"] += 1
+            p.handle._future.set_exception(WriteFailedError(
+                msg["errno"] or 0, f"{msg['error']} (writing checkpoint)", msg["filename"]))
+
+    def _on_exit(self, gen: int, proc: Any) -> None:
+        with self._cond:
+            failed = [p for p in self._pending.values() if p.gen == gen]
+            orderly = self._closed or (proc.exitcode == 0 and not failed)
+            err = BrokenWriterError(f"the writer sidecar {_describe(proc)}; "
+                                    f"{len(failed)} pending write(s) lost to it")
+            if not orderly or failed:
+                self._broken = err
+            for p in failed:
+                del self._pending[p.handle.seq]
+                p.slot.seq = None
+            self._cond.notify_all()
+        if failed:
+            self._counts["broken"] += len(failed)
+            log.error("%s: %s", err, ", ".join(p.handle.path for p in failed))
+        for p in failed:
+            p.handle._future.set_exception(err)
+
+    # -- submit ----------------------------------------------------------------
+    def submit(self, model_or_snapshot: nn.Module | ModelSnapshot, path: str | os.PathLike[str],
+               *, metrics: Mapping[str, float] | None = None,
+               epoch: int | None = None) -> WriteHandle:
+        """Stage a snapshot into a slot and queue it; return once the copy is done.
+
+        After this returns the model may change freely: the file will hold
+        the values of this moment.
+        """
+        started = time.monotonic()
+        if isinstance(model_or_snapshot, ModelSnapshot):
+            params = list(model_or_snapshot.params.items())
+            buffers = list(model_or_snapshot.buffers.items())
+            metrics = model_or_snapshot.metrics if metrics is None else metrics
+            epoch = model_or_snapshot.epoch if epoch is None else epoch
+        elif isinstance(model_or_snapshot, nn.Module):
+            params, buffers = model_sources(model_or_snapshot)
+        else:
+            raise TypeError(f"submit() takes an nn.Module or a ModelSnapshot, "
+                            f"not {type(model_or_snapshot).__name__}")
+        path = self._resolve(path)
+        self._ensure_running()
+        self._counts["submitted"] += 1
+        pool = self._pool(params, buffers)
+        slot = self._acquire(pool, path)
+        if slot is None:
+            return self._skipped(path, started)
+        try:
+            self._register(slot)
+            sources = [t for _, t in params] + [t for _, t in buffers]
+            self._stage(slot, sources)
+        except BaseException:
+            with self._cond:
+                slot.seq = None
+                self._cond.notify_all()
+            raise
+        stage_s = time.monotonic() - started
+        self._stalls.append(stage_s)
+        msg_metrics, msg_epoch = as_metrics(metrics), int(epoch or 0)
+        with self._cond:
+            self._seq += 1
+            seq = self._seq
+            handle = WriteHandle(seq, path)
+            slot.seq = seq
+            self._pending[seq] = _Pending(handle, slot, started, stage_s, self._gen)
+        self._set_claim(slot, seq)
+        self._send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id, path=path,
+                                 metrics=msg_metrics, epoch=msg_epoch,
+                                 sent_at=time.monotonic()))
+        return handle
+
+    def _resolve(self, path: str | os.PathLike[str]) -> str:
+        path = os.fspath(path)
+        if self.directory is not None and not os.path.isabs(path):
+            path = os.path.join(self.directory, path)
+        path = os.path.abspath(path)
+        self._dirs.add(os.path.dirname(path))
+        return path
+
+    def _skipped(self, path: str, started: float) -> WriteHandle:
+        with self._cond:
+            self._seq += 1
+            handle = WriteHandle(self._seq, path)
+        self._counts["skipped"] += 1
+        stall = time.monotonic() - started
+        self._stalls.append(stall)
+        handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,
+                                              total_s=stall, seq=handle.seq))
+        return handle
+
+    def _pool(self, params: list[tuple[str, torch.Tensor]],
+              buffers: list[tuple[str, torch.Tensor]]) -> list[_Slot]:
+        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in params + buffers)
+        key = (len(params), pin, tuple((n, t.shape, t.dtype) for n, t in params + buffers))
+        pool = self._pools.get(key)
+        if pool is None:
+            layout = staging.Layout.of(params, buffers, layout_hash(params, buffers))
+            pool = []
+            for _ in range(self.slots):
+                self._sid += 1
+                pool.append(_Slot(self._sid, layout, pin))
+            self._pools[key] = pool
+        return pool
+
+    def _acquire(self, pool: list[_Slot], path: str) -> _Slot | None:
+        """A free slot of ``pool``, reserved for the caller, by the policy."""
+        with self._cond:
+            while True:
+                if self._broken is not None:
+                    raise self._broken
+                for slot in pool:
+                    if slot.seq is None:
+                        slot.seq = _RESERVED
+                        return slot
+                if self.policy == "skip":
+                    return None
+                if self.policy == "latest":
+                    slot = self._revoke_newest(pool)
+                    if slot is not None:
+                        return slot
+                self._cond.wait(0.5)
+
+    def _revoke_newest(self, pool: list[_Slot]) -> _Slot | None:
+        """Take back the newest queued, unstarted snapshot's slot (cond held)."""
+        for slot in sorted((s for s in pool if s.seq), key=lambda s: s.seq, reverse=True):
+            with self._claim():
+                if int(slot.claim.item()) != slot.seq:
+                    continue  # the writer already started it
+                slot.claim.fill_(REVOKED)
+            old = self._pending.pop(slot.seq)
+            self._counts["skipped"] += 1
+            old.handle._future.set_result(WriteReport(
+                path=old.handle.path, skipped=True, stage_s=old.stage_s,
+                total_s=time.monotonic() - old.started, seq=old.handle.seq))
+            slot.seq = _RESERVED
+            return slot
+        return None
+
+    def _claim(self) -> "_ClaimLock":
+        return _ClaimLock(self._claim_lock, self)
+
+    def _set_claim(self, slot: _Slot, seq: int) -> None:
+        with self._claim():
+            slot.claim.fill_(seq)
+
+    def _register(self, slot: _Slot) -> None:
+        """Hand a slot's shared memory to the current sidecar, once per generation."""
+        gen = self._gen
+        if slot.gen == gen:
+            return
+        with self._send_lock:
+            self._req.send_bytes(protocol.pack(protocol.SLOT, slot=slot.id,
+                                               layout=slot.layout.to_msg()))
+            self._req.send(slot.flat)
+        # Wait for the writer to map it: until then the fd lives only in this
+        # process, and a submit must not depend on this process staying alive.
+        with self._cond:
+            while slot.gen != gen:
+                if self._broken is not None:
+                    raise self._broken
+                self._cond.wait(0.5)
+
+    def _stage(self, slot: _Slot, sources: list[torch.Tensor]) -> None:
+        if slot.pinned:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            staging.copy_into(slot.views, sources, self._stream)
+            self._stream.synchronize()
+        else:
+            staging.copy_into(slot.views, sources)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._req.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            # The sidecar is dead; the reader thread fails every pending handle.
+            log.debug("send to the writer failed: %s", e)
+
+    # -- figures ---------------------------------------------------------------
+    def is_idle(self) -> bool:
+        """True when no snapshot is queued or being written."""
+        with self._cond:
+            return not self._pending
+
+    def stats(self) -> dict[str, Any]:
+        """Running figures: counts, bytes written, restarts and submit() stalls."""
+        stalls = sorted(self._stalls)
+
+        def pct(q: float) -> float:
+            return stalls[min(len(stalls) - 1, int(q * len(stalls)))] if stalls else 0.0
+
+        with self._cond:
+            pending = len(self._pending)
+        slot_bytes = sum(s.layout.nbytes for pool in self._pools.values() for s in pool)
+        return {**self._counts, "pending": pending, "slot_bytes": slot_bytes,
+                "stall_p50_s": pct(0.50), "stall_p99_s": pct(0.99),
+                "stall_max_s": stalls[-1] if stalls else 0.0, "pid": self.pid}
+
+
+class _ClaimLock:
+    """The cross-process claim lock, acquired with a timeout so a dead writer
+    that held it cannot hang the trainer."""
+
+    def __init__(self, lock: Any, owner: SnapshotWriter) -> None:
+        self._lock = lock
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        while not self._lock.acquire(timeout=0.5):
+            proc = self._owner._proc
+            if proc is None or not proc.is_alive():
+                raise BrokenWriterError(f"the writer sidecar {_describe(proc)} holding a slot "
+                                        "lock")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def _describe(proc: Any) -> str:
+    if proc is None:
+        return "is not running"
+    code = proc.exitcode
+    if code is None:
+        return f"(pid {proc.pid}) did not answer in time"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"(pid {proc.pid}) was killed by {name}"
+    return f"(pid {proc.pid}) exited with code {code}"
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """An interpreter that exits without close(): let each sidecar drain, bounded."""
+    for w in list(_live):
+        try:
+            w.finish(timeout=_EXIT_TIMEOUT)
+        except Exception:  # never block interpreter exit on a checkpoint
+            log.exception("closing a snapsvc writer at exit failed")

@@ -1,0 +1,109 @@
+"""Shared-memory slots: where the trainer copies a snapshot for the writer.
+
+A slot is ONE flat uint8 tensor in shared memory (one file descriptor, not
+one per tensor); every model tensor is a view into it at a 64-byte aligned
+offset fixed by the :class:`Layout`. Slots are allocated once per layout and
+reused, so memory stays at ``slots x snapshot bytes``.
+
+With torch's default ``file_descriptor`` sharing strategy the segment is
+unlinked from /dev/shm as soon as it is mapped: nothing is left there even if
+both processes are SIGKILLed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from . import fdl
+
+__all__ = ["ALIGN", "HEADER", "TensorSpec", "Layout", "allocate", "claim_word", "views",
+           "copy_into", "unpin"]
+
+ALIGN = 64
+# Each slot starts with a 64-byte header; its first int64 is the claim word:
+# the seq the writer may start on, or a negative value (see snapsvc.writer).
+HEADER = 64
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    buffer: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a snapshot lives inside a slot."""
+
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    structural_hash: str
+
+    @classmethod
+    def of(cls, params: Iterable[tuple[str, torch.Tensor]],
+           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str) -> "Layout":
+        specs = []
+        offset = HEADER
+        for is_buffer, pairs in ((False, params), (True, buffers)):
+            for name, t in pairs:
+                fdl.check_encodable(name, t)  # refuse before anything is staged
+                n = t.numel() * t.element_size()
+                specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, is_buffer))
+                offset += -(-n // ALIGN) * ALIGN
+        return cls(tuple(specs), offset, structural_hash)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"hash": self.structural_hash, "nbytes": self.nbytes,
+                "specs": [[s.name, list(s.shape), fdl.DTYPE_TO_TAG[s.dtype], s.offset, s.nbytes,
+                           s.buffer] for s in self.specs]}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> "Layout":
+        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, buf)
+                      for name, shape, tag, off, n, buf in msg["specs"])
+        return cls(specs, msg["nbytes"], msg["hash"])
+
+
+def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
+    """A flat shared-memory slot for ``layout`` (page-locked for CUDA when ``pin``)."""
+    # Allocate straight in shared memory: share_memory_() would copy a private
+    # buffer over, doubling peak memory for a large model. Fresh pages are zero.
+    storage = torch.UntypedStorage._new_shared(layout.nbytes)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if pin:
+        # Register the shared pages with CUDA so device-to-host copies are DMA.
+        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {flat.numel()}-byte slot failed ({err})")
+    return flat
+
+
+def claim_word(flat: torch.Tensor) -> torch.Tensor:
+    """The slot's claim word, an int64 view into its shared header."""
+    return flat[:8].view(torch.int64)
+
+
+def unpin(flat: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+
+
+def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The slot's tensors, in layout order, as views of ``flat``."""
+    return [flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in layout.specs]
+
+
+def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
+              stream: "torch.cuda.Stream | None" = None) -> None:
+    """Copy ``src`` into the slot views ``dst`` (one fused call where possible)."""
+    if stream is None:
+        torch._foreach_copy_(list(dst), list(src))
+        return
+    with torch.cuda.stream(stream):
+        torch._foreach_copy_(list(dst), list(src), non_blocking=True)

@@ -1,0 +1,189 @@
+"""The writer sidecar's loop: a module-level function run in its own process.
+
+It reads control messages from the trainer's pipe, encodes each snapshot
+straight out of its shared-memory slot into a durable ``.fdl`` file plus
+metadata, and reports back in submit order. See :mod:`snapsvc.client` for
+the whole data flow.
+
+Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
+queued but not yet started. Each slot's header holds an int64 claim word,
+read and written only under a lock shared by both processes:
+
+- the trainer sets it to the seq of the WRITE it is about to send;
+- the writer, on that WRITE, sets it to ``STARTED`` if it still holds that
+  seq, else the snapshot was superseded and is skipped;
+- the trainer may revoke a queued seq (set ``REVOKED``) only while the
+  word still holds it, i.e. before the writer started.
+
+The writer ignores SIGINT (a Ctrl-C in the terminal reaches the whole process
+group; the trainer decides when to stop) and outlives its parent just long
+enough to finish every snapshot already handed to it.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+from . import fdl, protocol, staging
+from .checkpoint import write_checkpoint_file
+from .meta import Meta, meta_path, write_meta
+
+__all__ = ["STARTED", "REVOKED", "writer_main"]
+
+log = logging.getLogger("snapsvc.writer")
+
+STARTED = -1
+REVOKED = -2
+_LOCK_TIMEOUT = 5.0
+_PARENT_POLL_S = 0.5
+
+
+class _Slot:
+    def __init__(self, layout: staging.Layout, flat: torch.Tensor) -> None:
+        self.layout = layout
+        self.flat = flat
+        self.claim = staging.claim_word(flat)
+        self.entries = list(zip((s.name for s in layout.specs), staging.views(flat, layout)))
+
+
+class _Sidecar:
+    def __init__(self, req: Connection, rep: Connection, lock: Any,
+                 options: dict[str, Any]) -> None:
+        self.req = req
+        self.rep = rep
+        self.lock = lock
+        self.keep_last: int | None = options.get("keep_last")
+        self.compress_level: int | None = options.get("compress_level")
+        self.fault_hook: Callable[[str, str], None] | None = options.get("fault_hook")
+        self.slots: dict[int, _Slot] = {}
+        self.written: dict[str, list[str]] = {}  # directory -> our files, oldest first
+        self.parent = os.getppid()
+        self.reports_lost = False
+
+    def report(self, op: str, **fields: Any) -> None:
+        if self.reports_lost:
+            return
+        try:
+            self.rep.send_bytes(protocol.pack(op, **fields))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            # The trainer is gone; keep writing what it handed over.
+            self.reports_lost = True
+
+    def claim(self, slot: _Slot, seq: int) -> bool:
+        if not self.lock.acquire(timeout=_LOCK_TIMEOUT):
+            raise RuntimeError("claim lock held too long; was the trainer killed holding it?")
+        try:
+            if int(slot.claim.item()) != seq:
+                return False
+            slot.claim.fill_(STARTED)
+            return True
+        finally:
+            self.lock.release()
+
+    def prune(self, path: str) -> list[str]:
+        """keep_last: drop our oldest files in this directory once ``path`` is durable."""
+        mine = self.written.setdefault(os.path.dirname(path), [])
+        if path in mine:
+            mine.remove(path)
+        mine.append(path)
+        removed = []
+        while self.keep_last is not None and len(mine) > self.keep_last:
+            old = mine.pop(0)
+            for p in (meta_path(old), old):  # metadata first: never a meta without its file
+                try:
+                    os.unlink(p)
+                    removed.append(p)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def write(self, msg: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        seq, path = msg["seq"], msg["path"]
+        slot = self.slots[msg["slot"]]
+        base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
+        if not self.claim(slot, seq):
+            return {**base, "ok": True, "superseded": True}
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("before_write", path)
+            layout = slot.layout
+            stats = write_checkpoint_file(path, slot.entries, bytes.fromhex(layout.structural_hash),
+                                          compress_level=self.compress_level)
+            t0 = time.monotonic()
+            if self.fault_hook is not None:
+                self.fault_hook("before_meta", path)
+            write_meta(path, Meta(format_version=fdl.VERSION, size=stats.bytes, crc32=stats.crc32,
+                                  entries=len(layout.specs),
+                                  buffers=[s.name for s in layout.specs if s.buffer],
+                                  epoch=msg["epoch"], metrics=msg["metrics"],
+                                  structural_hash=layout.structural_hash, extra=msg.get("extra")))
+            meta_s = time.monotonic() - t0
+            removed = self.prune(path)
+        except OSError as e:
+            log.error("writing %s failed: %s", path, e)
+            return {**base, "ok": False, "errno": e.errno or errno_mod.EIO,
+                    "error": e.strerror or str(e), "filename": e.filename or path}
+        except Exception as e:  # reported to the trainer, never lost
+            log.exception("writing %s failed", path)
+            return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
+                    "filename": path}
+        return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
+                "entries": len(slot.entries), "encode_s": stats.encode_s,
+                "write_s": stats.write_s, "fsync_s": stats.fsync_s + meta_s,
+                "done_at": time.monotonic(), "removed": removed}
+
+    def handle(self, msg: dict[str, Any]) -> bool:
+        """Act on one message; False means stop."""
+        op = msg["op"]
+        if op == protocol.WRITE:
+            self.report(protocol.DONE, **self.write(msg))
+        elif op == protocol.SLOT:
+            flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
+            self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)
+            self.report(protocol.SLOT_OK, slot=msg["slot"])
+        elif op == protocol.STOP:
+            return False
+        else:
+            log.error("unknown control message %r", op)
+        return True
+
+    def run(self) -> None:
+        self.report(protocol.READY, pid=os.getpid())
+        while True:
+            if not self.req.poll(_PARENT_POLL_S):
+                if os.getppid() != self.parent:
+                    log.warning("trainer %d is gone; finishing what it handed over", self.parent)
+                    self.drain()
+                    return
+                continue
+            try:
+                data = self.req.recv_bytes()
+            except EOFError:  # the trainer closed its end: every message sent was read
+                return
+            if not self.handle(protocol.unpack(data)):
+                return
+
+    def drain(self) -> None:
+        """After the parent died: handle every message already in the pipe."""
+        while self.req.poll(0):
+            try:
+                if not self.handle(protocol.unpack(self.req.recv_bytes())):
+                    return
+            except EOFError:
+                return
+
+
+def writer_main(req: Connection, rep: Connection, lock: Any, options: dict[str, Any]) -> None:
+    """Entry point of the writer process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
+    _Sidecar(req, rep, lock, options).run()
