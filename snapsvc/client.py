@@ -257,7 +257,7 @@ class SnapshotWriter:
             self._req.close()
         if self._proc is not None:
             self._proc.join(5)
-        self._proc = self._req = self._reader = None
+        self._proc = self._req = self._reader = self._claim_lock = None
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait for every queued snapshot to be written, then stop the sidecar.
@@ -394,11 +394,11 @@ class SnapshotWriter:
         self._ensure_running()
         self._counts["submitted"] += 1
         pool = self._pool(params, buffers)
-        slot = self._acquire(pool, path)
+        self._register(pool)
+        slot = self._acquire(pool)
         if slot is None:
             return self._skipped(path, started)
         try:
-            self._register(slot)
             sources = [t for _, t in params] + [t for _, t in buffers]
             self._stage(slot, sources)
         except BaseException:
@@ -454,7 +454,7 @@ class SnapshotWriter:
             self._pools[key] = pool
         return pool
 
-    def _acquire(self, pool: list[_Slot], path: str) -> _Slot | None:
+    def _acquire(self, pool: list[_Slot]) -> _Slot | None:
         """A free slot of ``pool``, reserved for the caller, by the policy."""
         with self._cond:
             while True:
@@ -495,19 +495,25 @@ class SnapshotWriter:
         with self._claim():
             slot.claim.fill_(seq)
 
-    def _register(self, slot: _Slot) -> None:
-        """Hand a slot's shared memory to the current sidecar, once per generation."""
+    def _register(self, pool: list[_Slot]) -> None:
+        """Hand a pool's shared memory to the current sidecar, once per generation.
+
+        All slots at once, while the sidecar is likely idle: it maps them in
+        queue order, so a slot registered later would wait behind writes.
+        """
         gen = self._gen
-        if slot.gen == gen:
+        todo = [slot for slot in pool if slot.gen != gen]
+        if not todo:
             return
         with self._send_lock:
-            self._req.send_bytes(protocol.pack(protocol.SLOT, slot=slot.id,
-                                               layout=slot.layout.to_msg()))
-            self._req.send(slot.flat)
-        # Wait for the writer to map it: until then the fd lives only in this
-        # process, and a submit must not depend on this process staying alive.
+            for slot in todo:
+                self._req.send_bytes(protocol.pack(protocol.SLOT, slot=slot.id,
+                                                   layout=slot.layout.to_msg()))
+                self._req.send(slot.flat)
+        # Wait until the writer has mapped them: until then their fds live only
+        # in this process, and a submit must not depend on it staying alive.
         with self._cond:
-            while slot.gen != gen:
+            while any(slot.gen != gen for slot in todo):
                 if self._broken is not None:
                     raise self._broken
                 self._cond.wait(0.5)

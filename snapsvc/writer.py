@@ -130,8 +130,11 @@ class _Sidecar:
             removed = self.prune(path)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)
-            return {**base, "ok": False, "errno": e.errno or errno_mod.EIO,
-                    "error": e.strerror or str(e), "filename": e.filename or path}
+            detail = e.strerror or str(e)
+            if e.filename and e.filename != path:  # e.g. the temp file beside it
+                detail += f" (at {e.filename})"
+            return {**base, "ok": False, "errno": e.errno or errno_mod.EIO, "error": detail,
+                    "filename": path}
         except Exception as e:  # reported to the trainer, never lost
             log.exception("writing %s failed", path)
             return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",

@@ -21,3 +21,40 @@ def net() -> Net:
     m.norm.running_mean.uniform_()
     m.norm.num_batches_tracked.fill_(7)
     return m
+
+
+# -- leak checks for tests that spawn the sidecar -------------------------------
+import gc  # noqa: E402
+import os  # noqa: E402
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="session")
+def _warm_sidecar(tmp_path_factory):
+    """Start and close one writer, so process-wide helpers that live for the
+    whole session (multiprocessing's resource_sharer listener and resource
+    tracker) exist before any leak is counted."""
+    import snapsvc
+    with snapsvc.SnapshotWriter(tmp_path_factory.mktemp("warm")) as w:
+        w.submit(nn.Linear(2, 2), "warm.fdl").result(timeout=60)
+
+
+@pytest.fixture
+def no_leaks(_warm_sidecar):
+    """Fail the test if it leaves /dev/shm entries or open fds behind."""
+    gc.collect()
+    shm, fds = _shm_entries(), _open_fds()
+    yield
+    gc.collect()
+    leaked_shm = _shm_entries() - shm
+    leaked_fds = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in _open_fds() - fds
+                  if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not leaked_shm, f"/dev/shm entries leaked: {sorted(leaked_shm)}"
+    assert not leaked_fds, f"file descriptors leaked: {leaked_fds}"
