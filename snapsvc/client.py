@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import signal
 import threading
@@ -41,10 +42,10 @@ import torch.multiprocessing as tmp
 from torch import nn
 
 from . import protocol, staging
-from .checkpoint import layout_hash
+from .checkpoint import layout_hash, persistent_buffers
 from .durable import remove_stale_temps
 from .errors import BrokenWriterError, WriteFailedError
-from .snapshot import ModelSnapshot, as_metrics, model_sources
+from .snapshot import ModelSnapshot, as_metrics
 from .writer import REVOKED, writer_main
 
 __all__ = ["SnapshotWriter", "WriteHandle", "WriteReport", "POLICIES"]
@@ -119,6 +120,27 @@ class _Slot:
             self.pinned = False
 
 
+def _spec(t: torch.Tensor) -> tuple:
+    return t.shape, t.dtype, t.device
+
+
+@dataclass
+class _Plan:
+    """What submit() needs of a model, valid while its tensors stay the same."""
+
+    params: list[torch.Tensor]    # model.parameters() when planned
+    buffers: list[torch.Tensor]   # model.buffers() when planned (persistent or not)
+    sources: list[torch.Tensor]   # params, then persistent buffers: the copy's sources
+    specs: list[tuple]            # (shape, dtype, device) of each source
+    pool: list[_Slot]
+
+    def matches(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
+        return (len(params) == len(self.params) and len(buffers) == len(self.buffers)
+                and all(map(operator.is_, params, self.params))
+                and all(map(operator.is_, buffers, self.buffers))
+                and all(_spec(t) == s for t, s in zip(self.sources, self.specs)))
+
+
 @dataclass
 class _Pending:
     handle: WriteHandle
@@ -163,6 +185,7 @@ class SnapshotWriter:
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._pools: dict[tuple, list[_Slot]] = {}
+        self._plans: "weakref.WeakKeyDictionary[nn.Module, _Plan]" = weakref.WeakKeyDictionary()
         self._pending: dict[int, _Pending] = {}
         self._dirs: set[str] = set()
         self._seq = 0
@@ -381,25 +404,25 @@ class SnapshotWriter:
         """
         started = time.monotonic()
         if isinstance(model_or_snapshot, ModelSnapshot):
-            params = list(model_or_snapshot.params.items())
-            buffers = list(model_or_snapshot.buffers.items())
-            metrics = model_or_snapshot.metrics if metrics is None else metrics
-            epoch = model_or_snapshot.epoch if epoch is None else epoch
+            snap = model_or_snapshot
+            params, buffers = list(snap.params.items()), list(snap.buffers.items())
+            sources = [t for _, t in params + buffers]
+            pool = self._pool(params, buffers)
+            metrics = snap.metrics if metrics is None else metrics
+            epoch = snap.epoch if epoch is None else epoch
         elif isinstance(model_or_snapshot, nn.Module):
-            params, buffers = model_sources(model_or_snapshot)
+            sources, pool = self._plan(model_or_snapshot)
         else:
             raise TypeError(f"submit() takes an nn.Module or a ModelSnapshot, "
                             f"not {type(model_or_snapshot).__name__}")
         path = self._resolve(path)
         self._ensure_running()
         self._counts["submitted"] += 1
-        pool = self._pool(params, buffers)
         self._register(pool)
         slot = self._acquire(pool)
         if slot is None:
             return self._skipped(path, started)
         try:
-            sources = [t for _, t in params] + [t for _, t in buffers]
             self._stage(slot, sources)
         except BaseException:
             with self._cond:
@@ -439,6 +462,24 @@ class SnapshotWriter:
         handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,
                                               total_s=stall, seq=handle.seq))
         return handle
+
+    def _plan(self, model: nn.Module) -> tuple[list[torch.Tensor], list[_Slot]]:
+        """The tensors to copy from ``model`` and their pool, cached per model.
+
+        Walking a module tree by name and hashing its layout costs
+        milliseconds for thousands of tensors; the cache is checked instead by
+        identity, shape, dtype and device of every tensor, which is enough to
+        see a replaced, resized, cast or moved parameter or buffer.
+        """
+        params, buffers = list(model.parameters()), list(model.buffers())
+        plan = self._plans.get(model)
+        if plan is None or not plan.matches(params, buffers):
+            named, persistent = list(model.named_parameters()), list(persistent_buffers(model))
+            sources = [t for _, t in named + persistent]
+            plan = _Plan(params, buffers, sources, [_spec(t) for t in sources],
+                         self._pool(named, persistent))
+            self._plans[model] = plan
+        return plan.sources, plan.pool
 
     def _pool(self, params: list[tuple[str, torch.Tensor]],
               buffers: list[tuple[str, torch.Tensor]]) -> list[_Slot]:
@@ -518,6 +559,7 @@ class SnapshotWriter:
                     raise self._broken
                 self._cond.wait(0.5)
 
+    @torch.no_grad()  # sources are live parameters; nothing here is for autograd
     def _stage(self, slot: _Slot, sources: list[torch.Tensor]) -> None:
         if slot.pinned:
             if self._stream is None:

@@ -12,6 +12,7 @@ both processes are SIGKILLed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -71,8 +72,22 @@ class Layout:
         return cls(specs, msg["nbytes"], msg["hash"])
 
 
+def _check_shm_room(nbytes: int) -> None:
+    """Refuse a slot /dev/shm cannot hold: touching its pages later would SIGBUS."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:  # no /dev/shm (not Linux): torch picks its own backing
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise MemoryError(f"a {nbytes / 2**20:.1f} MiB snapshot slot does not fit in /dev/shm "
+                          f"({free / 2**20:.1f} MiB free); enlarge it (docker: --shm-size) "
+                          "or use fewer slots")
+
+
 def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
     """A flat shared-memory slot for ``layout`` (page-locked for CUDA when ``pin``)."""
+    _check_shm_room(layout.nbytes)
     # Allocate straight in shared memory: share_memory_() would copy a private
     # buffer over, doubling peak memory for a large model. Fresh pages are zero.
     storage = torch.UntypedStorage._new_shared(layout.nbytes)

@@ -234,3 +234,21 @@ def test_unsupported_dtype_refused_at_submit(tmp_path, net):
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         snapsvc.SnapshotWriter(**kwargs)
+
+
+def test_replaced_resized_or_cast_tensors_are_seen(tmp_path, net):
+    """submit() caches a model's plan; any change to its tensors must invalidate it."""
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(net, "p0.fdl").result(timeout=60)
+        net.head.bias = nn.Parameter(torch.full((2,), 7.0))           # replaced object
+        w.submit(net, "p1.fdl").result(timeout=60)
+        net.head.bias.data = torch.full((5,), 3.0)                    # same object, new shape
+        w.submit(net, "p2.fdl").result(timeout=60)
+        net.norm.running_mean.data = net.norm.running_mean.double()   # same object, new dtype
+        w.submit(net, "p3.fdl").result(timeout=60)
+        net.register_buffer("step", torch.tensor(11))                 # a new buffer
+        w.submit(net, "p4.fdl").result(timeout=60)
+    assert torch.equal(file_state(tmp_path / "p1.fdl")["head.bias"], torch.full((2,), 7.0))
+    assert torch.equal(file_state(tmp_path / "p2.fdl")["head.bias"], torch.full((5,), 3.0))
+    assert file_state(tmp_path / "p3.fdl")["norm.running_mean"].dtype == torch.float64
+    assert file_state(tmp_path / "p4.fdl")["step"].item() == 11
