@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import fdl
-from .durable import atomic_write
+from .durable import DurableFile, commit, staged_write
 from .errors import ArchitectureMismatchError, ShapeMismatchError, StrictLoadError
 from .streams import PathOrFile, gzip_writer, is_gzip_path, open_source
 
@@ -39,6 +39,7 @@ __all__ = [
     "layout_hash",
     "model_tensors",
     "persistent_buffers",
+    "stage_checkpoint_file",
     "write_checkpoint_file",
     "encode_to",
 ]
@@ -135,19 +136,32 @@ class FileStats:
     fsync_s: float      # file and directory fsync
 
 
-def write_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
-                          hash_: bytes, *, compress_level: int | None = None) -> FileStats:
-    """Encode ``entries`` durably to ``path`` (gzip when it ends in ``.gz``)."""
+def stage_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
+                          hash_: bytes, *, compress_level: int | None = None
+                          ) -> tuple[DurableFile, int, float]:
+    """Encode ``entries`` into a fsynced temp file beside ``path`` (gzip on ``.gz``).
+
+    Returns (the staged file, uncompressed stream bytes, encode seconds). The
+    caller must :func:`~snapsvc.durable.commit` or ``discard`` it.
+    """
     t0 = time.perf_counter()
-    with atomic_write(path) as out:
+    with staged_write(path) as out:
         if is_gzip_path(path):
             with gzip_writer(out, compress_level) as gz:
                 stream_bytes = fdl.encode(gz, entries, structural_hash=hash_)
         else:
             stream_bytes = fdl.encode(out, entries, structural_hash=hash_)
-        encoded = time.perf_counter() - t0
-    return FileStats(out.path, out.size, out.crc32, stream_bytes, encoded - out.write_s,
-                     out.write_s, out.fsync_s)
+    return out, stream_bytes, time.perf_counter() - t0 - out.write_s - out.fsync_s
+
+
+def write_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
+                          hash_: bytes, *, compress_level: int | None = None) -> FileStats:
+    """Encode ``entries`` durably to ``path`` (gzip when it ends in ``.gz``)."""
+    out, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
+                                                        compress_level=compress_level)
+    commit(out)
+    return FileStats(out.path, out.size, out.crc32, stream_bytes, encode_s, out.write_s,
+                     out.fsync_s)
 
 
 def encode_to(dest: PathOrFile, entries: list[tuple[str, torch.Tensor]], hash_: bytes, *,

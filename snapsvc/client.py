@@ -160,6 +160,10 @@ class SnapshotWriter:
     ``keep_last``: keep only the newest N files this writer wrote per
     directory. ``compress_level``: isal gzip level for ``.gz`` paths.
     ``restart``: a dead sidecar is restarted by the next submit.
+    ``fault_hook``: for tests, a picklable ``hook(stage, path)`` run inside the
+    sidecar at "start" and at each durable-write stage (see
+    :func:`snapsvc.durable.set_fault_hook`); raising ``OSError`` there
+    simulates a disk fault.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,

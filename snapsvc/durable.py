@@ -2,8 +2,18 @@
 
 A reader of the final name sees either the previous complete file or the new
 complete file, never a partial one, whatever happens to this process. Temp
-files carry :data:`TMP_SUFFIX` so a restarted writer can find and remove the
-ones a dead writer left behind.
+files carry :data:`TMP_SUFFIX` and the writing pid, so a restarted writer can
+find and remove the ones a dead writer left behind.
+
+Two phases, so several files can be committed in a chosen order (checkpoint
+before its metadata): :func:`staged_write` writes and fsyncs a temp file,
+:func:`commit` renames them in order and fsyncs each directory once.
+:func:`atomic_write` is both for one file.
+
+Fault injection: :func:`set_fault_hook` installs ``hook(stage, path)``, called
+at ``"open"``, ``"write"``, ``"fsync"`` and ``"rename"``; raising ``OSError``
+there simulates a disk fault (tests use it for faults no filesystem here can
+produce on demand, such as a failed fsync).
 """
 
 from __future__ import annotations
@@ -12,18 +22,31 @@ import os
 import tempfile
 import time
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from isal import isal_zlib
 
-__all__ = ["TMP_SUFFIX", "DurableFile", "atomic_write", "fsync_dir", "remove_stale_temps"]
+__all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
+           "fsync_dir", "remove_stale_temps", "set_fault_hook"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
+_hook: Callable[[str, str], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
+    """Install (or with None remove) the process-wide fault-injection hook."""
+    global _hook
+    _hook = hook
+
+
+def _fault(stage: str, path: str) -> None:
+    if _hook is not None:
+        _hook(stage, path)
 
 
 class DurableFile:
-    """What :func:`atomic_write` yields: a write-only file that keeps the
-    CRC-32 and size of every byte written, and the seconds spent in the OS."""
+    """A write-only temp file that keeps the CRC-32 and size of every byte
+    written and the seconds spent in the OS; ``path`` is its final name."""
 
     def __init__(self, file: BinaryIO, path: str, tmp_path: str) -> None:
         self._file = file
@@ -38,6 +61,7 @@ class DurableFile:
         return True
 
     def write(self, data) -> int:
+        _fault("write", self.tmp_path)
         t0 = time.perf_counter()
         n = self._file.write(data)
         self.write_s += time.perf_counter() - t0
@@ -53,43 +77,79 @@ def fsync_dir(directory: str) -> None:
     """fsync a directory so a rename inside it survives a power cut."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        _fault("fsync", directory)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-@contextmanager
-def atomic_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
-    """Yield a :class:`DurableFile` whose ``file`` becomes ``path`` on success.
+def discard(*files: DurableFile) -> None:
+    """Remove the temp files of staged writes that will not be committed."""
+    for f in files:
+        try:
+            os.unlink(f.tmp_path)
+        except FileNotFoundError:
+            pass
 
-    On any exception the temp file is removed and ``path`` is left as it was.
+
+@contextmanager
+def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
+    """Yield a :class:`DurableFile`; on exit it is flushed and fsynced, not renamed.
+
+    On an exception the temp file is removed. After a clean exit the caller
+    must :func:`commit` or :func:`discard` it.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    # The pid in the name lets remove_stale_temps tell a dead writer's leftovers
-    # from a live writer's work in progress.
+    _fault("open", path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.",
                                suffix=TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            out = DurableFile(f, path, tmp)
+            out = DurableFile(f, os.path.abspath(path), tmp)
             yield out
             t0 = time.perf_counter()
             f.flush()
             out.write_s += time.perf_counter() - t0
             t0 = time.perf_counter()
+            _fault("fsync", tmp)
             os.fsync(f.fileno())
             out.fsync_s = time.perf_counter() - t0
-        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
-    t0 = time.perf_counter()
-    fsync_dir(directory)
-    out.fsync_s += time.perf_counter() - t0
+
+
+def commit(*files: DurableFile) -> None:
+    """Rename staged files into place in the given order, then fsync their directories.
+
+    If a rename fails, the files not yet renamed are discarded.
+    """
+    for i, f in enumerate(files):
+        try:
+            _fault("rename", f.path)
+            os.replace(f.tmp_path, f.path)
+        except BaseException:
+            discard(*files[i:])
+            raise
+    for directory in dict.fromkeys(os.path.dirname(f.path) for f in files):
+        t0 = time.perf_counter()
+        fsync_dir(directory)
+        files[-1].fsync_s += time.perf_counter() - t0
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
+    """Yield a :class:`DurableFile` that replaces ``path`` durably on success.
+
+    On any exception the temp file is removed and ``path`` is left as it was.
+    """
+    with staged_write(path) as out:
+        yield out
+    commit(out)
 
 
 def _alive(pid: int) -> bool:

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import msgpack
 
-from .durable import atomic_write
+import torch
+
+from . import fdl
+from .checkpoint import FileStats, stage_checkpoint_file
+from .durable import DurableFile, commit, discard, staged_write
 from .errors import FormatError
 
-__all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "write_meta", "read_meta"]
+__all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "stage_meta", "write_with_meta",
+           "read_meta"]
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
@@ -37,10 +42,10 @@ def meta_path(checkpoint: str | os.PathLike[str]) -> str:
 
 @dataclass
 class Meta:
-    format_version: int
-    size: int                      # checkpoint file bytes on disk
-    crc32: int                     # of those bytes
-    entries: int
+    format_version: int = fdl.VERSION
+    size: int = 0                  # checkpoint file bytes on disk
+    crc32: int = 0                 # of those bytes
+    entries: int = 0
     buffers: list[str] = field(default_factory=list)
     epoch: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -49,12 +54,35 @@ class Meta:
     extra: Any = None
 
 
-def write_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> None:
-    """Durably write ``meta`` beside ``checkpoint`` (after the checkpoint is in place)."""
+def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
+    """``meta`` in a fsynced temp file beside ``checkpoint``, to be committed after it."""
     body = msgpack.packb({"magic": META_MAGIC, "meta_version": META_VERSION, **asdict(meta)},
                          use_bin_type=True)
-    with atomic_write(meta_path(checkpoint)) as out:
+    with staged_write(meta_path(checkpoint)) as out:
         out.write(body)
+    return out
+
+
+def write_with_meta(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
+                    meta: Meta, *, compress_level: int | None = None) -> FileStats:
+    """Write a checkpoint and its metadata: both staged, then renamed checkpoint first.
+
+    ``meta``'s size, checksum, entry count and version are filled in here. A
+    failure before the renames leaves any previous checkpoint and metadata of
+    that name untouched, and no temp file.
+    """
+    hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
+    ck, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
+                                                       compress_level=compress_level)
+    try:
+        mf = stage_meta(path, replace(meta, format_version=fdl.VERSION, size=ck.size,
+                                      crc32=ck.crc32, entries=len(entries)))
+    except BaseException:
+        discard(ck)
+        raise
+    commit(ck, mf)
+    return FileStats(ck.path, ck.size, ck.crc32, stream_bytes, encode_s,
+                     ck.write_s + mf.write_s, ck.fsync_s + mf.fsync_s)
 
 
 def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:

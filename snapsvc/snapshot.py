@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from . import fdl, staging
-from .checkpoint import layout_hash, persistent_buffers, read_checkpoint, write_checkpoint_file
+from .checkpoint import layout_hash, persistent_buffers, read_checkpoint
 from .errors import FormatError
-from .meta import Meta, read_meta, write_meta
+from .meta import Meta, read_meta, write_with_meta
 
 __all__ = ["ModelSnapshot", "snapshot_cpu", "load_snapshot", "model_sources", "as_metrics"]
 
@@ -41,12 +41,10 @@ class ModelSnapshot:
 
     def save_file(self, path: str | os.PathLike[str], *, compress_level: int | None = None) -> None:
         """Write durably to ``path`` (gzip on ``.gz``), then its metadata."""
-        stats = write_checkpoint_file(path, self.entries(), bytes(fdl.HASH_LEN),
-                                      compress_level=compress_level)
-        write_meta(path, Meta(format_version=fdl.VERSION, size=stats.bytes, crc32=stats.crc32,
-                              entries=len(self.params) + len(self.buffers),
-                              buffers=list(self.buffers), epoch=self.epoch,
-                              metrics=dict(self.metrics), structural_hash=None))
+        write_with_meta(path, self.entries(),
+                        Meta(buffers=list(self.buffers), epoch=self.epoch,
+                             metrics=dict(self.metrics)),
+                        compress_level=compress_level)
 
 
 def model_sources(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]],

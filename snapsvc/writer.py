@@ -28,13 +28,13 @@ import os
 import signal
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from . import fdl, protocol, staging
-from .checkpoint import write_checkpoint_file
-from .meta import Meta, meta_path, write_meta
+from . import protocol, staging
+from .durable import set_fault_hook
+from .meta import Meta, meta_path, write_with_meta
 
 __all__ = ["STARTED", "REVOKED", "writer_main"]
 
@@ -62,7 +62,6 @@ class _Sidecar:
         self.lock = lock
         self.keep_last: int | None = options.get("keep_last")
         self.compress_level: int | None = options.get("compress_level")
-        self.fault_hook: Callable[[str, str], None] | None = options.get("fault_hook")
         self.slots: dict[int, _Slot] = {}
         self.written: dict[str, list[str]] = {}  # directory -> our files, oldest first
         self.parent = os.getppid()
@@ -112,21 +111,12 @@ class _Sidecar:
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
+        layout = slot.layout
+        meta = Meta(buffers=[s.name for s in layout.specs if s.buffer], epoch=msg["epoch"],
+                    metrics=msg["metrics"], structural_hash=layout.structural_hash,
+                    extra=msg.get("extra"))
         try:
-            if self.fault_hook is not None:
-                self.fault_hook("before_write", path)
-            layout = slot.layout
-            stats = write_checkpoint_file(path, slot.entries, bytes.fromhex(layout.structural_hash),
-                                          compress_level=self.compress_level)
-            t0 = time.monotonic()
-            if self.fault_hook is not None:
-                self.fault_hook("before_meta", path)
-            write_meta(path, Meta(format_version=fdl.VERSION, size=stats.bytes, crc32=stats.crc32,
-                                  entries=len(layout.specs),
-                                  buffers=[s.name for s in layout.specs if s.buffer],
-                                  epoch=msg["epoch"], metrics=msg["metrics"],
-                                  structural_hash=layout.structural_hash, extra=msg.get("extra")))
-            meta_s = time.monotonic() - t0
+            stats = write_with_meta(path, slot.entries, meta, compress_level=self.compress_level)
             removed = self.prune(path)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)
@@ -141,8 +131,7 @@ class _Sidecar:
                     "filename": path}
         return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
                 "entries": len(slot.entries), "encode_s": stats.encode_s,
-                "write_s": stats.write_s, "fsync_s": stats.fsync_s + meta_s,
-                "done_at": time.monotonic(), "removed": removed}
+                "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}
 
     def handle(self, msg: dict[str, Any]) -> bool:
         """Act on one message; False means stop."""
@@ -188,5 +177,11 @@ class _Sidecar:
 def writer_main(req: Connection, rep: Connection, lock: Any, options: dict[str, Any]) -> None:
     """Entry point of the writer process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    hook = options.get("fault_hook")
+    set_fault_hook(hook)
+    if hook is not None:
+        hook("start", "")
     torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
     _Sidecar(req, rep, lock, options).run()

@@ -1,7 +1,8 @@
 """Fault hooks run inside the writer sidecar (importable, so they pickle under spawn).
 
-The writer calls ``hook(stage, path)`` with stage "before_write" or
-"before_meta"; bind extra arguments with ``functools.partial``.
+The writer calls ``hook(stage, path)`` at "start" and at the durable-write
+stages "open", "write", "fsync" and "rename"; bind extra arguments with
+``functools.partial``.
 """
 
 from __future__ import annotations
@@ -11,5 +12,5 @@ import time
 
 def sleep(seconds: float, stage: str, path: str) -> None:
     """Hold each write for ``seconds`` before it starts."""
-    if stage == "before_write":
+    if stage == "open" and not path.endswith(".meta"):
         time.sleep(seconds)
