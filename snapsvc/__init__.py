@@ -27,6 +27,7 @@ from .errors import (
     WriteFailedError,
 )
 from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
+from .verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,8 @@ __all__ = [
     "SnapshotWriter",
     "WriteHandle",
     "WriteReport",
+    "verify",
+    "VerifyReport",
     "SnapsvcError",
     "FormatError",
     "EncodeError",

@@ -55,7 +55,6 @@ log = logging.getLogger("snapsvc")
 POLICIES = ("block", "skip", "latest")
 _RESERVED = 0          # slot.seq while a submit is staging into it
 _START_TIMEOUT = 120.0  # spawn + import torch on a loaded 2-core box can be slow
-_EXIT_TIMEOUT = 60.0
 _live: "weakref.WeakSet[SnapshotWriter]" = weakref.WeakSet()
 
 
@@ -160,6 +159,11 @@ class SnapshotWriter:
     ``keep_last``: keep only the newest N files this writer wrote per
     directory. ``compress_level``: isal gzip level for ``.gz`` paths.
     ``restart``: a dead sidecar is restarted by the next submit.
+    ``drain_timeout``: how long an interpreter exit without :meth:`close`
+    waits for queued writes. ``sigterm``: turn SIGTERM (when its handler is
+    still the default) into ``SystemExit`` so ``with`` blocks and the exit
+    drain run instead of dying with writes queued; SIGINT already raises
+    ``KeyboardInterrupt``. Writes not done in time are logged by path.
     ``fault_hook``: for tests, a picklable ``hook(stage, path)`` run inside the
     sidecar at "start" and at each durable-write stage (see
     :func:`snapsvc.durable.set_fault_hook`); raising ``OSError`` there
@@ -169,8 +173,8 @@ class SnapshotWriter:
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,
                  policy: str = "block", keep_last: int | None = None,
                  compress_level: int | None = None, start_method: str = "spawn",
-                 restart: bool = True, fault_hook: Callable[[str, str], None] | None = None
-                 ) -> None:
+                 restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
+                 fault_hook: Callable[[str, str], None] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if policy not in POLICIES:
@@ -183,6 +187,8 @@ class SnapshotWriter:
         self.slots = slots
         self.policy = policy
         self.restart = restart
+        self.drain_timeout = drain_timeout
+        self.sigterm = sigterm
         self._ctx = tmp.get_context(start_method)
         self._options = {"keep_last": keep_last, "compress_level": compress_level,
                          "fault_hook": fault_hook}
@@ -246,7 +252,7 @@ class SnapshotWriter:
             except (EOFError, OSError):
                 pass
         if msg is None or msg["op"] != protocol.READY:
-            if proc.is_alive():
+            if not wait([proc.sentinel], timeout=5):  # exiting, or hung: give it 5 s
                 proc.kill()
             proc.join(5)
             req_w.close()
@@ -258,6 +264,8 @@ class SnapshotWriter:
             self._proc, self._req, self._claim_lock = proc, req_w, lock
             self._broken = None
         _live.add(self)
+        if self.sigterm:
+            _exit_on_sigterm()
         self._reader = threading.Thread(target=self._read_reports, args=(gen, rep_r, proc),
                                         name="snapsvc-reports", daemon=True)
         self._reader.start()
@@ -268,7 +276,12 @@ class SnapshotWriter:
             raise RuntimeError("this SnapshotWriter is closed; make a new one")
         if self._proc is None:
             self.start()
-        elif self._broken is not None:
+            return
+        if self._broken is None and _exited(self._proc):
+            # Died with nothing pending, and the reader has not said so yet:
+            # let it, rather than queue this snapshot to a dead process.
+            self._reader.join(5)
+        if self._broken is not None:
             if not self.restart:
                 raise self._broken
             self._reap()
@@ -308,8 +321,8 @@ class SnapshotWriter:
             log.error("snapsvc: %d snapshot(s) not written within %.1f s: %s",
                       len(late), timeout, ", ".join(late))
         self._send(protocol.pack(protocol.STOP))
-        self._proc.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
-        if self._proc.is_alive():
+        if not wait([self._proc.sentinel],
+                    None if deadline is None else max(0.1, deadline - time.monotonic())):
             self._proc.kill()
         if self._reader is not None:
             self._reader.join(10)
@@ -325,6 +338,7 @@ class SnapshotWriter:
             for slot in pool:
                 slot.release()
         self._pools.clear()
+        self._plans.clear()
 
     # -- reports ---------------------------------------------------------------
     def _read_reports(self, gen: int, rep: Any, proc: Any) -> None:
@@ -614,12 +628,18 @@ class _ClaimLock:
     def __enter__(self) -> None:
         while not self._lock.acquire(timeout=0.5):
             proc = self._owner._proc
-            if proc is None or not proc.is_alive():
+            if proc is None or _exited(proc):
                 raise BrokenWriterError(f"the writer sidecar {_describe(proc)} holding a slot "
                                         "lock")
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+def _exited(proc: Any) -> bool:
+    """Has the process exited? Through its sentinel: is_alive() would waitpid()
+    and race the reader thread's join() for the exit status."""
+    return bool(wait([proc.sentinel], timeout=0))
 
 
 def _describe(proc: Any) -> str:
@@ -637,11 +657,22 @@ def _describe(proc: Any) -> str:
     return f"(pid {proc.pid}) exited with code {code}"
 
 
+def _sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like an exception, so pending writes drain (main thread only)."""
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm)
+
+
 @atexit.register
 def _close_at_exit() -> None:
     """An interpreter that exits without close(): let each sidecar drain, bounded."""
     for w in list(_live):
         try:
-            w.finish(timeout=_EXIT_TIMEOUT)
+            w.finish(timeout=w.drain_timeout)
         except Exception:  # never block interpreter exit on a checkpoint
             log.exception("closing a snapsvc writer at exit failed")

@@ -24,6 +24,7 @@ __all__ = [
     "GZIP_MAGIC",
     "DEFAULT_GZIP_LEVEL",
     "Source",
+    "GzipReader",
     "PathOrFile",
     "is_gzip_path",
     "gzip_writer",
@@ -57,7 +58,7 @@ def gzip_writer(raw: BinaryIO, level: int | None = None) -> Iterator[BinaryIO]:
         gz.close()  # closes the member, not ``raw``
 
 
-class _GzipReader(io.RawIOBase):
+class GzipReader(io.RawIOBase):
     """A gzip decompressor that reports corruption as FormatError."""
 
     _ERRORS = (EOFError, OSError, zlib.error, isal_zlib.error)
@@ -141,7 +142,7 @@ def open_source(src: PathOrFile) -> Iterator[Source]:
         with open(path, "rb") as f:
             head, _ = _peek2(f)
             if path.endswith(".gz") or head == GZIP_MAGIC:
-                yield Source(_GzipReader(f, path), None, False, path, True)
+                yield Source(GzipReader(f, path), None, False, path, True)
             else:
                 yield Source(f, os.fstat(f.fileno()).st_size, True, path, False)
         return
@@ -149,7 +150,7 @@ def open_source(src: PathOrFile) -> Iterator[Source]:
     path = name if isinstance(name, str) else None
     head, stream = _peek2(src)
     if head == GZIP_MAGIC:
-        yield Source(_GzipReader(stream, path), None, False, path, True)
+        yield Source(GzipReader(stream, path), None, False, path, True)
         return
     size = None
     seekable = stream.seekable()
