@@ -1,0 +1,278 @@
+"""Codec benchmark: snapsvc ``.fdl`` against torch.save, and a gzip level table.
+
+    python benchmarks/codec.py [--mib 256] [--repeat 3] [--dir DIR] [--json out.json]
+
+One run, one set of tensors (16 MiB float32 normal matrices totalling --mib
+MiB, plus a few small bias/BatchNorm tensors), measured side by side:
+
+* files: snapsvc.save_checkpoint / read_checkpoint, plain ``.fdl`` and
+  ``.fdl.gz`` at the default isal level, against torch.save /
+  torch.load(weights_only=True). Every save ends with an fsync: snapsvc's
+  atomic write fsyncs the temp file, renames it and fsyncs the directory;
+  torch.save writes into a file opened here, then flush and fsync (no
+  rename). Every load reads the file just written, so it comes from a warm
+  page cache (caches are not dropped): loads measure decoding, not the disk.
+* gzip levels, in memory: isal levels 0-3 (isal.igzip.compress, the deflate
+  engine behind snapsvc.streams.gzip_writer) and Python's zlib at level 6,
+  both producing gzip, on the float32 data of the tensors above and on an
+  int64 small-integer buffer and a zero-filled buffer of the same size.
+
+MB/s is 10^6 bytes of uncompressed tensor data per second, from the median
+and from the fastest (min-time) of --repeat runs, after one untimed warm-up
+run of each operation. On glibc, allocations of 1 MiB and more are made fresh
+mmaps (see ``fresh_allocations``), so every run, whichever ran before it,
+pays the page faults a new process pays to fill its tensors. ratio is
+compressed or file size over tensor data size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import isal
+import torch
+from isal import igzip
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+import snapsvc  # noqa: E402
+from snapsvc.fdl import _byte_view  # noqa: E402
+from snapsvc.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
+
+T = TypeVar("T")
+Tensors = dict[str, torch.Tensor]
+
+BIG_MIB = 16
+SIDE = 2048  # a 2048 x 2048 float32 matrix is 16 MiB
+ISAL_LEVELS = (0, 1, 2, 3)
+ZLIB_LEVEL = 6
+
+
+@dataclass
+class Stat:
+    """Timings of one operation over all repeats."""
+
+    runs_s: list[float]
+    median_s: float
+    min_s: float
+    mbps_median: float
+    mbps_best: float
+
+
+@dataclass
+class FileRow:
+    op: str
+    file_bytes: int
+    ratio: float
+    time: Stat
+
+
+@dataclass
+class CodecRow:
+    data: str
+    codec: str
+    ratio: float
+    compress: Stat
+    decompress: Stat
+
+
+def stat(nbytes: int, runs: list[float]) -> Stat:
+    med, best = statistics.median(runs), min(runs)
+    return Stat(runs, med, best, nbytes / med / 1e6, nbytes / best / 1e6)
+
+
+def timed(fn: Callable[[], T], repeat: int,
+          before: Callable[[], None] | None = None) -> tuple[list[float], T]:
+    """Run ``fn`` once untimed, then ``repeat`` times; return the durations and the last result."""
+    def once() -> tuple[float, T]:
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t0, result
+
+    _, result = once()
+    runs: list[float] = []
+    for _ in range(repeat):
+        del result  # free the previous result before the next run
+        elapsed, result = once()
+        runs.append(elapsed)
+    return runs, result
+
+
+def fresh_allocations() -> bool:
+    """Make glibc serve every allocation of 1 MiB or more with a fresh mmap.
+
+    By default glibc keeps large freed blocks for reuse once some have been
+    freed, so a load timed after other work skips the first-touch page faults
+    (about half of a warm-cache load here) and one timed first does not. A
+    fixed threshold makes every run pay them. False where glibc is absent.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 20))
+
+
+def make_tensors(mib: int) -> Tensors:
+    """Float32 normal matrices totalling ``mib`` MiB, then small bias-like tensors."""
+    gen = torch.Generator().manual_seed(0)
+    tensors: Tensors = {}
+    for i in range(mib // BIG_MIB):
+        tensors[f"layer{i}.weight"] = torch.randn(SIDE, SIDE, generator=gen)
+    if mib % BIG_MIB:
+        rows = (mib % BIG_MIB) * (1 << 20) // (4 * SIDE)
+        tensors["tail.weight"] = torch.randn(rows, SIDE, generator=gen)
+    for i in range(4):
+        tensors[f"layer{i}.bias"] = 0.01 * torch.randn(SIDE, generator=gen)
+    tensors["bn.running_mean"] = torch.zeros(SIDE)
+    tensors["bn.running_var"] = torch.ones(SIDE)
+    tensors["bn.num_batches_tracked"] = torch.tensor(0, dtype=torch.int64)
+    return tensors
+
+
+def data_bytes(tensors: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_same(what: str, got: Tensors, want: Tensors) -> None:
+    if list(got) != list(want) or not all(torch.equal(got[k], v) for k, v in want.items()):
+        raise SystemExit(f"{what}: the data read back differs from the data written")
+
+
+def torch_save_fsync(tensors: Tensors, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(tensors, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def bench_files(tensors: Tensors, directory: Path, repeat: int) -> list[FileRow]:
+    nbytes = data_bytes(tensors)
+    rows: list[FileRow] = []
+
+    def row(op: str, path: Path, runs: list[float]) -> None:
+        size = path.stat().st_size
+        rows.append(FileRow(op, size, size / nbytes, stat(nbytes, runs)))
+
+    def fdl(path: Path, label: str) -> None:
+        runs, _ = timed(lambda: snapsvc.save_checkpoint(path, tensors), repeat,
+                        before=lambda: path.unlink(missing_ok=True))
+        row(f"snapsvc save {label}", path, runs)
+        runs, ckpt = timed(lambda: snapsvc.read_checkpoint(path), repeat)
+        check_same(f"read_checkpoint({path.name})", ckpt.entries, tensors)
+        row(f"snapsvc load {label}", path, runs)
+
+    fdl(directory / "ckpt.fdl", ".fdl")
+    fdl(directory / "ckpt.fdl.gz", f".fdl.gz (isal {DEFAULT_GZIP_LEVEL})")
+    path = directory / "ckpt.pt"
+    runs, _ = timed(lambda: torch_save_fsync(tensors, path), repeat,
+                    before=lambda: path.unlink(missing_ok=True))
+    row("torch.save + fsync", path, runs)
+    runs, loaded = timed(lambda: torch.load(path, weights_only=True), repeat)
+    check_same("torch.load", loaded, tensors)
+    row("torch.load weights_only", path, runs)
+    return rows
+
+
+def bench_codec(data_name: str, data: memoryview, codec: str,
+                compress: Callable[[memoryview], bytes],
+                decompress: Callable[[bytes], bytes], repeat: int) -> CodecRow:
+    c_runs, packed = timed(lambda: compress(data), repeat)
+    d_runs, unpacked = timed(lambda: decompress(packed), repeat)
+    if unpacked != data:
+        raise SystemExit(f"{codec} on {data_name}: round trip differs")
+    n = len(data)
+    return CodecRow(data_name, codec, len(packed) / n, stat(n, c_runs), stat(n, d_runs))
+
+
+def bench_levels(tensors: Tensors, repeat: int) -> list[CodecRow]:
+    floats = torch.cat([t.flatten() for t in tensors.values() if t.dtype == torch.float32])
+    n = floats.numel()
+    gen = torch.Generator().manual_seed(1)
+    buffers = {
+        "float32 randn": floats,
+        "int64 0..65535": torch.randint(0, 1 << 16, (n // 2,), dtype=torch.int64, generator=gen),
+        "zeros": torch.zeros(n, dtype=torch.float32),
+    }
+    codecs: list[tuple[str, Callable[[memoryview], bytes], Callable[[bytes], bytes]]] = [
+        (f"isal {level}", partial(igzip.compress, compresslevel=level, mtime=0),
+         igzip.decompress)
+        for level in ISAL_LEVELS
+    ]
+    codecs.append((f"zlib {ZLIB_LEVEL}", partial(zlib.compress, level=ZLIB_LEVEL, wbits=31),
+                   partial(zlib.decompress, wbits=31)))
+    return [bench_codec(name, _byte_view(t), codec, comp, decomp, repeat)
+            for name, t in buffers.items() for codec, comp, decomp in codecs]
+
+
+def print_tables(files: list[FileRow], codecs: list[CodecRow], header: list[str]) -> None:
+    print("\n".join(header))
+    print("\nfiles (saves include fsync; loads read the file just written: warm page cache)")
+    print(f"{'op':<30} {'file MB':>9} {'ratio':>6} {'med s':>7} {'min s':>7}"
+          f" {'MB/s med':>9} {'MB/s best':>9}")
+    for r in files:
+        t = r.time
+        print(f"{r.op:<30} {r.file_bytes / 1e6:>9.1f} {r.ratio:>6.3f} {t.median_s:>7.3f}"
+              f" {t.min_s:>7.3f} {t.mbps_median:>9.0f} {t.mbps_best:>9.0f}")
+    print("\ngzip levels in memory (MB/s of uncompressed data)")
+    print(f"{'data':<15} {'codec':<7} {'ratio':>6} {'comp med':>9} {'comp best':>9}"
+          f" {'dec med':>9} {'dec best':>9}")
+    for c in codecs:
+        print(f"{c.data:<15} {c.codec:<7} {c.ratio:>6.3f} {c.compress.mbps_median:>9.0f}"
+              f" {c.compress.mbps_best:>9.0f} {c.decompress.mbps_median:>9.0f}"
+              f" {c.decompress.mbps_best:>9.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="MiB of float32 weights (default 256)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
+    ap.add_argument("--dir", type=Path, default=Path.cwd(),
+                    help="where the temporary directory goes (default: the current directory)")
+    ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = ap.parse_args()
+    if args.mib < 1 or args.repeat < 1:
+        ap.error("--mib and --repeat must be at least 1")
+
+    fresh = fresh_allocations()
+    tensors = make_tensors(args.mib)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="snapsvc-bench-", dir=args.dir) as tmp:
+        files = bench_files(tensors, Path(tmp), args.repeat)
+    codecs = bench_levels(tensors, args.repeat)
+    header = [
+        f"snapsvc codec benchmark: {len(tensors)} tensors, "
+        f"{data_bytes(tensors) / 1e6:.1f} MB of data, {args.repeat} runs each",
+        f"python {platform.python_version()}, torch {torch.__version__}, isal {isal.__version__}, "
+        f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after, files under {args.dir.resolve()}",
+        "MB/s = 10^6 bytes of uncompressed tensor data per second; "
+        "med = median run, best = fastest run, after 1 untimed warm-up run",
+        "large allocations: " + ("fresh mmap each run (page faults included)" if fresh
+                                 else "allocator default (glibc not found)"),
+    ]
+    print_tables(files, codecs, header)
+    if args.json:
+        report = {"mib": args.mib, "repeat": args.repeat, "header": header,
+                  "files": [asdict(r) for r in files], "codecs": [asdict(c) for c in codecs]}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
