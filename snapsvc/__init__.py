@@ -26,6 +26,7 @@ from .errors import (
     StrictLoadError,
     WriteFailedError,
 )
+from .resume import restore
 from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .verify import VerifyReport, verify
 
@@ -51,6 +52,7 @@ __all__ = [
     "WriteReport",
     "verify",
     "VerifyReport",
+    "restore",
     "SnapsvcError",
     "FormatError",
     "EncodeError",

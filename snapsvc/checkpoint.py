@@ -14,7 +14,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Union
+from typing import Any, Iterable, Iterator, Mapping, Union
 
 import torch
 from torch import nn
@@ -234,11 +234,18 @@ def checkpoint_version(src: PathOrFile) -> int:
 # -- load into a model ---------------------------------------------------------
 @dataclass
 class LoadReport:
-    """Which entries were loaded, which the model lacks, which the file lacks."""
+    """Which entries were loaded, which the model lacks, which the file lacks.
+
+    :func:`snapsvc.restore` also fills ``epoch``, ``metrics`` and ``extra``
+    from the checkpoint's metadata.
+    """
 
     loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    epoch: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: Any = None
 
 
 def _where(ckpt: Checkpoint) -> str:

@@ -45,6 +45,7 @@ from . import protocol, staging
 from .checkpoint import layout_hash, persistent_buffers
 from .durable import remove_stale_temps
 from .errors import BrokenWriterError, WriteFailedError
+from .resume import check_extra, optimizer_state
 from .snapshot import ModelSnapshot, as_metrics
 from .writer import REVOKED, writer_main
 
@@ -413,15 +414,22 @@ class SnapshotWriter:
 
     # -- submit ----------------------------------------------------------------
     def submit(self, model_or_snapshot: nn.Module | ModelSnapshot, path: str | os.PathLike[str],
-               *, metrics: Mapping[str, float] | None = None,
-               epoch: int | None = None) -> WriteHandle:
+               *, metrics: Mapping[str, float] | None = None, epoch: int | None = None,
+               optimizer: torch.optim.Optimizer | None = None, extra: Any = None
+               ) -> WriteHandle:
         """Stage a snapshot into a slot and queue it; return once the copy is done.
 
         After this returns the model may change freely: the file will hold
-        the values of this moment.
+        the values of this moment. With ``optimizer`` its state is captured
+        in the same copy and written beside the model (see
+        :mod:`snapsvc.resume`); ``extra`` is any msgpack-able value (step,
+        RNG states, data-loader position) stored in the metadata.
         """
         started = time.monotonic()
+        optim_info = None
         if isinstance(model_or_snapshot, ModelSnapshot):
+            if optimizer is not None:
+                raise TypeError("optimizer= needs the model itself, not a ModelSnapshot")
             snap = model_or_snapshot
             params, buffers = list(snap.params.items()), list(snap.buffers.items())
             sources = [t for _, t in params + buffers]
@@ -429,10 +437,14 @@ class SnapshotWriter:
             metrics = snap.metrics if metrics is None else metrics
             epoch = snap.epoch if epoch is None else epoch
         elif isinstance(model_or_snapshot, nn.Module):
-            sources, pool = self._plan(model_or_snapshot)
+            if optimizer is None:
+                sources, pool = self._plan(model_or_snapshot)
+            else:
+                sources, pool, optim_info = self._plan_with_optimizer(model_or_snapshot, optimizer)
         else:
             raise TypeError(f"submit() takes an nn.Module or a ModelSnapshot, "
                             f"not {type(model_or_snapshot).__name__}")
+        check_extra(extra)
         path = self._resolve(path)
         self._ensure_running()
         self._counts["submitted"] += 1
@@ -458,8 +470,8 @@ class SnapshotWriter:
             self._pending[seq] = _Pending(handle, slot, started, stage_s, self._gen)
         self._set_claim(slot, seq)
         self._send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id, path=path,
-                                 metrics=msg_metrics, epoch=msg_epoch,
-                                 sent_at=time.monotonic()))
+                                 metrics=msg_metrics, epoch=msg_epoch, optim=optim_info,
+                                 extra=extra, sent_at=time.monotonic()))
         return handle
 
     def _resolve(self, path: str | os.PathLike[str]) -> str:
@@ -499,13 +511,27 @@ class SnapshotWriter:
             self._plans[model] = plan
         return plan.sources, plan.pool
 
+    def _plan_with_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                             ) -> tuple[list[torch.Tensor], list[_Slot], dict[str, Any]]:
+        """Model and optimizer tensors, their pool, and the optimizer's description.
+
+        Not cached: optimizer state appears at the first step and its
+        hyperparameters change under schedulers; resume checkpoints are rare.
+        """
+        named, persistent = list(model.named_parameters()), list(persistent_buffers(model))
+        optim, info = optimizer_state(optimizer, {id(p): n for n, p in named})
+        pool = self._pool(named, persistent, optim)
+        return [t for _, t in named + persistent + optim], pool, info
+
     def _pool(self, params: list[tuple[str, torch.Tensor]],
-              buffers: list[tuple[str, torch.Tensor]]) -> list[_Slot]:
-        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in params + buffers)
-        key = (len(params), pin, tuple((n, t.shape, t.dtype) for n, t in params + buffers))
+              buffers: list[tuple[str, torch.Tensor]],
+              optim: list[tuple[str, torch.Tensor]] = ()) -> list[_Slot]:  # type: ignore[assignment]
+        tensors = [*params, *buffers, *optim]
+        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in tensors)
+        key = (len(params), len(buffers), pin, tuple((n, t.shape, t.dtype) for n, t in tensors))
         pool = self._pools.get(key)
         if pool is None:
-            layout = staging.Layout.of(params, buffers, layout_hash(params, buffers))
+            layout = staging.Layout.of(params, buffers, layout_hash(params, buffers), optim)
             pool = []
             for _ in range(self.slots):
                 self._sid += 1

@@ -52,6 +52,9 @@ class Meta:
     structural_hash: str | None = None
     created: float = field(default_factory=time.time)
     extra: Any = None
+    # class, param groups, non-tensor state, and "file", "size", "crc32", "entries"
+    # of the optimizer file (snapsvc.resume); None when none was saved
+    optimizer: dict[str, Any] | None = None
 
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
@@ -64,25 +67,40 @@ def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
 
 
 def write_with_meta(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
-                    meta: Meta, *, compress_level: int | None = None) -> FileStats:
-    """Write a checkpoint and its metadata: both staged, then renamed checkpoint first.
+                    meta: Meta, *, compress_level: int | None = None,
+                    optim: tuple[str, list[tuple[str, torch.Tensor]]] | None = None) -> FileStats:
+    """Write a checkpoint, optionally its optimizer file, and its metadata.
 
-    ``meta``'s size, checksum, entry count and version are filled in here. A
-    failure before the renames leaves any previous checkpoint and metadata of
-    that name untouched, and no temp file.
+    All are staged (temp file, fsync), then renamed in the order checkpoint,
+    optimizer file, metadata. ``meta``'s size, checksum, entry count and
+    version are filled in here; ``optim`` is (path, entries) and its
+    description must already be in ``meta.optimizer``. A failure before the
+    renames leaves any previous files of those names untouched, and no temp file.
     """
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
-    ck, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
-                                                       compress_level=compress_level)
+    staged: list[DurableFile] = []
     try:
-        mf = stage_meta(path, replace(meta, format_version=fdl.VERSION, size=ck.size,
-                                      crc32=ck.crc32, entries=len(entries)))
+        ck, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
+                                                           compress_level=compress_level)
+        staged.append(ck)
+        meta = replace(meta, format_version=fdl.VERSION, size=ck.size, crc32=ck.crc32,
+                       entries=len(entries))
+        if optim is not None:
+            opath, oentries = optim
+            of, _, o_encode_s = stage_checkpoint_file(opath, oentries, bytes(fdl.HASH_LEN),
+                                                      compress_level=compress_level)
+            staged.append(of)
+            encode_s += o_encode_s
+            meta = replace(meta, optimizer={**(meta.optimizer or {}),
+                                            "file": os.path.basename(opath), "size": of.size,
+                                            "crc32": of.crc32, "entries": len(oentries)})
+        staged.append(stage_meta(path, meta))
     except BaseException:
-        discard(ck)
+        discard(*staged)
         raise
-    commit(ck, mf)
+    commit(*staged)
     return FileStats(ck.path, ck.size, ck.crc32, stream_bytes, encode_s,
-                     ck.write_s + mf.write_s, ck.fsync_s + mf.fsync_s)
+                     sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 
 
 def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:

@@ -20,13 +20,16 @@ import torch
 
 from . import fdl
 
-__all__ = ["ALIGN", "HEADER", "TensorSpec", "Layout", "allocate", "claim_word", "views",
+__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "TensorSpec", "Layout", "allocate", "claim_word", "views",
            "copy_into", "unpin"]
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
 # the seq the writer may start on, or a negative value (see snapsvc.writer).
 HEADER = 64
+
+
+PARAM, BUFFER, OPTIM = "param", "buffer", "optim"
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class TensorSpec:
     dtype: torch.dtype
     offset: int
     nbytes: int
-    buffer: bool
+    kind: str  # PARAM, BUFFER (the model file) or OPTIM (the optimizer file)
 
 
 @dataclass(frozen=True)
@@ -49,26 +52,27 @@ class Layout:
 
     @classmethod
     def of(cls, params: Iterable[tuple[str, torch.Tensor]],
-           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str) -> "Layout":
+           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
+           optim: Iterable[tuple[str, torch.Tensor]] = ()) -> "Layout":
         specs = []
         offset = HEADER
-        for is_buffer, pairs in ((False, params), (True, buffers)):
+        for kind, pairs in ((PARAM, params), (BUFFER, buffers), (OPTIM, optim)):
             for name, t in pairs:
                 fdl.check_encodable(name, t)  # refuse before anything is staged
                 n = t.numel() * t.element_size()
-                specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, is_buffer))
+                specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, kind))
                 offset += -(-n // ALIGN) * ALIGN
         return cls(tuple(specs), offset, structural_hash)
 
     def to_msg(self) -> dict[str, Any]:
         return {"hash": self.structural_hash, "nbytes": self.nbytes,
                 "specs": [[s.name, list(s.shape), fdl.DTYPE_TO_TAG[s.dtype], s.offset, s.nbytes,
-                           s.buffer] for s in self.specs]}
+                           s.kind] for s in self.specs]}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> "Layout":
-        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, buf)
-                      for name, shape, tag, off, n, buf in msg["specs"])
+        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, kind)
+                      for name, shape, tag, off, n, kind in msg["specs"])
         return cls(specs, msg["nbytes"], msg["hash"])
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from isal import isal_zlib
 
 from . import fdl
 from .errors import FormatError
 from .meta import Meta, read_meta
+from .resume import optim_path
 from .streams import GZIP_MAGIC, GzipReader
 
 __all__ = ["VerifyReport", "verify"]
@@ -25,7 +27,8 @@ __all__ = ["VerifyReport", "verify"]
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify` found. ``ok`` is True only with no problems."""
+    """What :func:`verify` found. ``ok`` is True only with no problems; each
+    problem names the file it is about."""
 
     path: str
     problems: list[str] = field(default_factory=list)
@@ -41,7 +44,7 @@ class VerifyReport:
     def __str__(self) -> str:
         if self.ok:
             return f"{self.path}: OK ({self.entries} entries, {self.size} bytes, crc32 {self.crc32:08x})"
-        return "\n".join(f"{self.path}: {p}" for p in self.problems)
+        return "\n".join(self.problems)
 
 
 class _CrcReader(io.RawIOBase):
@@ -63,25 +66,14 @@ class _CrcReader(io.RawIOBase):
         return n
 
 
-def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> VerifyReport:
-    """Check the structure of ``path`` and, from its metadata, its size and checksum.
-
-    A missing metadata file is a problem (an unfinished write) unless
-    ``require_meta=False``. Never raises for a bad file: problems are listed.
-    """
-    path = os.fspath(path)
-    report = VerifyReport(path)
-    try:
-        report.meta = read_meta(path)
-    except FormatError as e:
-        if require_meta or os.path.exists(path + ".meta"):
-            report.problems.append(e.reason)
+def _scan(path: str, problems: list[str]) -> tuple[int, int, int, fdl.Header | None]:
+    """Decode ``path``'s structure and checksum every byte: (size, crc32, entries, header)."""
     try:
         f = open(path, "rb")
     except OSError as e:
-        report.problems.append(f"cannot open: {e.strerror}")
-        return report
-    header = None
+        problems.append(f"cannot open {path}: {e.strerror}")
+        return 0, 0, 0, None
+    entries, header = 0, None
     with f:
         tap = _CrcReader(f)
         buffered = io.BufferedReader(tap, 1 << 20)
@@ -89,26 +81,54 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
         stream = GzipReader(buffered, path) if gz else buffered
         dec = fdl.Decoder(stream, size=None if gz else os.fstat(f.fileno()).st_size, path=path)
         try:
-            report.entries = sum(1 for _ in dec.entries(load=False))
+            entries = sum(1 for _ in dec.entries(load=False))
             header = dec.header
         except FormatError as e:
-            report.problems.append(str(e).removeprefix(f"{path}: "))
+            problems.append(str(e))
         while buffered.read(1 << 20):  # checksum whatever the decoder did not read
             pass
-    report.size, report.crc32 = tap.size, tap.crc32
+    return tap.size, tap.crc32, entries, header
+
+
+def _compare(what: str, size: int, crc: int, expected: dict[str, Any], problems: list[str]
+             ) -> None:
+    if expected["size"] != size:
+        problems.append(f"{what}: size {size} bytes, metadata says {expected['size']}")
+    if expected["crc32"] != crc:
+        problems.append(f"{what}: crc32 {crc:08x}, metadata says {expected['crc32']:08x}: the "
+                        "file is corrupt or does not belong to this metadata")
+
+
+def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> VerifyReport:
+    """Check the structure of ``path`` and, from its metadata, its size and checksum
+    (and those of the optimizer file written beside it, if any).
+
+    A missing metadata file is a problem (an unfinished write) unless
+    ``require_meta=False``. Never raises for a bad file: problems are listed.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    problems = report.problems
+    try:
+        report.meta = read_meta(path)
+    except FormatError as e:
+        if require_meta or os.path.exists(path + ".meta"):
+            problems.append(str(e))
+    report.size, report.crc32, report.entries, header = _scan(path, problems)
     meta = report.meta
-    if meta is not None:
-        if meta.size != report.size:
-            report.problems.append(f"size {report.size} bytes, metadata says {meta.size}")
-        if meta.crc32 != report.crc32:
-            report.problems.append(f"crc32 {report.crc32:08x}, metadata says {meta.crc32:08x}: "
-                                   "the file is corrupt or does not belong to this metadata")
-        if header is not None:
-            if meta.entries != header.count:
-                report.problems.append(f"{header.count} entries, metadata says {meta.entries}")
-            file_hash = header.structural_hash.hex() if any(header.structural_hash) else None
-            if meta.structural_hash is not None and file_hash is not None \
-                    and meta.structural_hash != file_hash:
-                report.problems.append(f"structural hash {file_hash}, metadata says "
-                                       f"{meta.structural_hash}")
+    if meta is None:
+        return report
+    _compare(path, report.size, report.crc32, {"size": meta.size, "crc32": meta.crc32}, problems)
+    if header is not None:
+        if meta.entries != header.count:
+            problems.append(f"{path}: {header.count} entries, metadata says {meta.entries}")
+        file_hash = header.structural_hash.hex() if any(header.structural_hash) else None
+        if meta.structural_hash is not None and file_hash is not None \
+                and meta.structural_hash != file_hash:
+            problems.append(f"{path}: structural hash {file_hash}, metadata says "
+                            f"{meta.structural_hash}")
+    if meta.optimizer:
+        opath = optim_path(path)
+        size, crc, _, _ = _scan(opath, problems)
+        _compare(opath, size, crc, meta.optimizer, problems)
     return report

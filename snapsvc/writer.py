@@ -35,6 +35,7 @@ import torch
 from . import protocol, staging
 from .durable import set_fault_hook
 from .meta import Meta, meta_path, write_with_meta
+from .resume import optim_path
 
 __all__ = ["STARTED", "REVOKED", "writer_main"]
 
@@ -51,7 +52,10 @@ class _Slot:
         self.layout = layout
         self.flat = flat
         self.claim = staging.claim_word(flat)
-        self.entries = list(zip((s.name for s in layout.specs), staging.views(flat, layout)))
+        views = staging.views(flat, layout)
+        self.entries = [(s.name, t) for s, t in zip(layout.specs, views) if s.kind != staging.OPTIM]
+        self.optim = [(s.name, t) for s, t in zip(layout.specs, views) if s.kind == staging.OPTIM]
+        self.buffers = [s.name for s in layout.specs if s.kind == staging.BUFFER]
 
 
 class _Sidecar:
@@ -96,7 +100,7 @@ class _Sidecar:
         removed = []
         while self.keep_last is not None and len(mine) > self.keep_last:
             old = mine.pop(0)
-            for p in (meta_path(old), old):  # metadata first: never a meta without its file
+            for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
                 try:
                     os.unlink(p)
                     removed.append(p)
@@ -111,12 +115,13 @@ class _Sidecar:
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
-        layout = slot.layout
-        meta = Meta(buffers=[s.name for s in layout.specs if s.buffer], epoch=msg["epoch"],
-                    metrics=msg["metrics"], structural_hash=layout.structural_hash,
-                    extra=msg.get("extra"))
+        meta = Meta(buffers=slot.buffers, epoch=msg["epoch"], metrics=msg["metrics"],
+                    structural_hash=slot.layout.structural_hash, extra=msg.get("extra"),
+                    optimizer=msg.get("optim"))
+        optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
         try:
-            stats = write_with_meta(path, slot.entries, meta, compress_level=self.compress_level)
+            stats = write_with_meta(path, slot.entries, meta, compress_level=self.compress_level,
+                                    optim=optim)
             removed = self.prune(path)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)

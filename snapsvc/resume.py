@@ -1,0 +1,152 @@
+"""Resuming training: optimizer state and ``extra`` beside the model checkpoint.
+
+Layout on disk, for ``submit(model, "run/step10.fdl", optimizer=opt, extra=...)``::
+
+    run/step10.fdl          the model, exactly as flodl writes it (params, buffers)
+    run/step10.optim.fdl    the optimizer's tensors, named "<param name>:<state key>"
+    run/step10.fdl.meta     msgpack: epoch, metrics, extra, and the optimizer's
+                            class, param groups (hyperparameters by param name),
+                            non-tensor state, and the optimizer file's size and CRC
+
+Why a second file and not extra entries in the model file: flodl, and anyone
+loading the model alone, should see exactly the model. Extra entries would
+show up as ``skipped`` in every load report and make ``strict`` loads fail;
+a separate ``.fdl`` keeps the model file byte-identical to one written
+without an optimizer while still reusing the same codec, checks and tools.
+The files are committed in the order model, optimizer, metadata, so the
+metadata (written last) vouches for both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+import torch
+from torch import nn
+
+from .checkpoint import LoadReport, load_into, read_checkpoint
+from .errors import FormatError
+from .meta import read_meta
+
+__all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "check_extra", "restore"]
+
+_SEP = ":"
+
+
+def optim_path(path: str | os.PathLike[str]) -> str:
+    """``x.fdl`` -> ``x.optim.fdl``; ``x.fdl.gz`` -> ``x.optim.fdl.gz``; else ``x.optim``."""
+    path = os.fspath(path)
+    for suffix in (".fdl.gz", ".fdl"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)] + ".optim" + suffix
+    return path + ".optim"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A hyperparameter or state value as msgpack can hold it."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v, where) for v in value]
+    raise TypeError(f"{where} is a {type(value).__name__}; snapsvc stores optimizer "
+                    "hyperparameters and non-tensor state as msgpack scalars and lists")
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
+                    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Split ``optimizer``'s state into named tensors and a msgpack-able description.
+
+    ``names`` maps ``id(param)`` to the parameter's name in the model.
+    """
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        try:
+            params = [names[id(p)] for p in group["params"]]
+        except KeyError:
+            raise ValueError(f"param group {i} of the optimizer holds a tensor that is not a "
+                             "parameter of the submitted model") from None
+        hyper = {k: _plain(v, f"param group {i} key {k!r}") for k, v in group.items()
+                 if k != "params"}
+        groups.append({"params": params, "hyper": hyper})
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    for p, state in optimizer.state.items():
+        name = names[id(p)]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((f"{name}{_SEP}{key}", value))
+            else:
+                scalars.setdefault(name, {})[key] = _plain(value, f"state {name!r} key {key!r}")
+    info = {"class": type(optimizer).__name__, "groups": groups, "scalars": scalars}
+    return tensors, info
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
+                         tensors: dict[str, torch.Tensor], info: dict[str, Any],
+                         where: str) -> dict[str, Any]:
+    """Rebuild, and check, a ``state_dict`` for ``optimizer`` from saved names."""
+    if info.get("class") != type(optimizer).__name__:
+        raise ValueError(f"{where}: saved optimizer is {info.get('class')}, "
+                         f"restoring into {type(optimizer).__name__}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    saved = [g["params"] for g in info["groups"]]
+    if current != saved:
+        raise ValueError(f"{where}: the optimizer's param groups {_shape(current)} do not match "
+                         f"the saved ones {_shape(saved)}; build the optimizer the same way")
+    index = {name: i for i, name in enumerate(n for g in saved for n in g)}
+    state: dict[int, dict[str, Any]] = {}
+    for entry, t in tensors.items():
+        name, _, key = entry.rpartition(_SEP)
+        if name not in index:
+            raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
+        state.setdefault(index[name], {})[key] = t
+    for name, values in info["scalars"].items():
+        state.setdefault(index[name], {}).update(values)
+    groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _shape(groups: list[list[Any]]) -> str:
+    return "[" + ", ".join(f"{len(g)} params" for g in groups) + "]"
+
+
+def check_extra(extra: Any) -> Any:
+    """Refuse, at submit time, an ``extra`` that msgpack cannot store."""
+    try:
+        msgpack.packb(extra, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"extra must be msgpack-able (dicts, lists, str, bytes, numbers): {e}"
+                        ) from None
+    return extra
+
+
+def restore(path: str | os.PathLike[str], model: nn.Module,
+            optimizer: torch.optim.Optimizer | None = None, *, strict: bool = False
+            ) -> LoadReport:
+    """Bring back what ``submit(..., optimizer=, extra=)`` saved.
+
+    Loads the model (flodl's rules), the optimizer's state when ``optimizer``
+    is given, and returns a :class:`LoadReport` whose ``epoch``, ``metrics``
+    and ``extra`` come from the metadata. Everything is read and checked
+    before the model or optimizer changes.
+    """
+    path = os.fspath(path)
+    meta = read_meta(path)
+    ckpt = read_checkpoint(path)
+    optim_sd = None
+    if optimizer is not None:
+        if not meta.optimizer:
+            raise FormatError("no optimizer state was saved with this checkpoint "
+                              "(submit(..., optimizer=opt) saves it)", path=path)
+        optim_sd = optimizer_state_dict(optimizer, model,
+                                        read_checkpoint(optim_path(path)).entries,
+                                        meta.optimizer, optim_path(path))
+    report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
+    if optim_sd is not None:
+        optimizer.load_state_dict(optim_sd)
+    report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
+    return report
+
