@@ -24,6 +24,7 @@ Reports come back in submit order because the writer works in order.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import operator
 import os
@@ -32,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping
@@ -113,6 +114,9 @@ class _Slot:
         self.claim = staging.claim_word(self.flat)
         self.seq: int | None = None   # None free, _RESERVED staging, else in flight
         self.gen = -1                 # writer generation that has it mapped
+        self.copying = False          # overlap mode: the copier thread is filling it
+        self.early = [i for i, s in enumerate(layout.specs) if s.kind == staging.BUFFER]
+        self.late = [i for i, s in enumerate(layout.specs) if s.kind != staging.BUFFER]
 
     def release(self) -> None:
         if self.pinned:
@@ -165,6 +169,11 @@ class SnapshotWriter:
     still the default) into ``SystemExit`` so ``with`` blocks and the exit
     drain run instead of dying with writes queued; SIGINT already raises
     ``KeyboardInterrupt``. Writes not done in time are logged by path.
+    ``overlap``: submit() returns once the copy is enqueued (buffers are
+    copied at once, parameters and optimizer state on a background thread, or
+    on a side CUDA stream into pinned memory); pair it with :meth:`guard`. The
+    WRITE message then leaves after the copy, so a trainer SIGKILLed in that
+    window loses that snapshot, which blocking mode never does.
     ``fault_hook``: for tests, a picklable ``hook(stage, path)`` run inside the
     sidecar at "start" and at each durable-write stage (see
     :func:`snapsvc.durable.set_fault_hook`); raising ``OSError`` there
@@ -175,6 +184,7 @@ class SnapshotWriter:
                  policy: str = "block", keep_last: int | None = None,
                  compress_level: int | None = None, start_method: str = "spawn",
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
+                 overlap: bool = False,
                  fault_hook: Callable[[str, str], None] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -189,6 +199,12 @@ class SnapshotWriter:
         self.policy = policy
         self.restart = restart
         self.drain_timeout = drain_timeout
+        self.overlap = overlap
+        self._copy_pool: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
+        self._copy_event: Any = None
+        self._guarded = False
+        self._warned = False
         self.sigterm = sigterm
         self._ctx = tmp.get_context(start_method)
         self._options = {"keep_last": keep_last, "compress_level": compress_level,
@@ -321,6 +337,9 @@ class SnapshotWriter:
         if late:
             log.error("snapsvc: %d snapshot(s) not written within %.1f s: %s",
                       len(late), timeout, ", ".join(late))
+        if self._copy_pool is not None:  # overlap copies finish (memcpy) before STOP goes out
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
         self._send(protocol.pack(protocol.STOP))
         if not wait([self._proc.sentinel],
                     None if deadline is None else max(0.1, deadline - time.monotonic())):
@@ -404,7 +423,8 @@ class SnapshotWriter:
                 self._broken = err
             for p in failed:
                 del self._pending[p.handle.seq]
-                p.slot.seq = None
+                if not p.slot.copying:  # else the copier frees it when done
+                    p.slot.seq = None
             self._cond.notify_all()
         if failed:
             self._counts["broken"] += len(failed)
@@ -453,26 +473,89 @@ class SnapshotWriter:
         if slot is None:
             return self._skipped(path, started)
         try:
-            self._stage(slot, sources)
+            rest = self._stage(slot, sources)
         except BaseException:
-            with self._cond:
-                slot.seq = None
-                self._cond.notify_all()
+            self._free(slot)
             raise
         stage_s = time.monotonic() - started
         self._stalls.append(stage_s)
-        msg_metrics, msg_epoch = as_metrics(metrics), int(epoch or 0)
+        msg = {"path": path, "metrics": as_metrics(metrics), "epoch": int(epoch or 0),
+               "optim": optim_info, "extra": extra}
         with self._cond:
             self._seq += 1
             seq = self._seq
             handle = WriteHandle(seq, path)
             slot.seq = seq
             self._pending[seq] = _Pending(handle, slot, started, stage_s, self._gen)
-        self._set_claim(slot, seq)
-        self._send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id, path=path,
-                                 metrics=msg_metrics, epoch=msg_epoch, optim=optim_info,
-                                 extra=extra, sent_at=time.monotonic()))
+        if rest is None:
+            self._dispatch(slot, seq, msg)
+        else:
+            self._inflight = self._copier().submit(self._finish_copy, rest, slot, seq, msg)
         return handle
+
+    def _free(self, slot: _Slot) -> None:
+        with self._cond:
+            slot.seq = None
+            slot.copying = False
+            self._cond.notify_all()
+
+    def _dispatch(self, slot: _Slot, seq: int, msg: dict[str, Any]) -> None:
+        """The slot holds the snapshot: let the writer claim it, then tell it."""
+        self._set_claim(slot, seq)
+        self._send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                 sent_at=time.monotonic(), **msg))
+
+    def _finish_copy(self, rest: Callable[[], None], slot: _Slot, seq: int,
+                     msg: dict[str, Any]) -> None:
+        """Overlap mode, on the copier thread: complete the copy, then dispatch."""
+        try:
+            rest()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's handle
+            with self._cond:
+                p = self._pending.pop(seq, None)
+            self._free(slot)
+            if p is not None:
+                self._counts["failed"] += 1
+                p.handle._future.set_exception(e)
+            return
+        with self._cond:
+            slot.copying = False
+            if seq not in self._pending:  # the writer died meanwhile; handle already failed
+                slot.seq = None
+                self._cond.notify_all()
+                return
+        self._dispatch(slot, seq, msg)
+
+    def _copier(self) -> ThreadPoolExecutor:
+        # One thread: copies finish, and messages go out, in submit order.
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="snapsvc-copy")
+        return self._copy_pool
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Overlap mode: block until every snapshot's copy has finished."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.result(timeout)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for in-flight snapshot copies (overlap mode).
+
+        Registers an optimizer step pre-hook and returns its removable
+        handle. On CPU the hook blocks until the background copy is done; on
+        CUDA it makes the current stream wait on the copy's event, so the CPU
+        never blocks. Without it, overlap mode may write a snapshot that mixes
+        two steps.
+        """
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            event = self._copy_event
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+            else:
+                self.wait_staged()
+
+        self._guarded = True
+        return optimizer.register_step_pre_hook(hook)
 
     def _resolve(self, path: str | os.PathLike[str]) -> str:
         path = os.fspath(path)
@@ -604,15 +687,50 @@ class SnapshotWriter:
                 self._cond.wait(0.5)
 
     @torch.no_grad()  # sources are live parameters; nothing here is for autograd
-    def _stage(self, slot: _Slot, sources: list[torch.Tensor]) -> None:
-        if slot.pinned:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-            staging.copy_into(slot.views, sources, self._stream)
-            self._stream.synchronize()
-        else:
-            staging.copy_into(slot.views, sources)
+    def _stage(self, slot: _Slot, sources: list[torch.Tensor]) -> Callable[[], None] | None:
+        """Copy ``sources`` into ``slot``.
+
+        Blocking mode copies everything and returns None. Overlap mode copies
+        the buffers now (forward() updates them, and no optimizer hook can
+        guard that) and returns the rest of the copy, to run on the copier
+        thread (CPU) or already queued on a side stream (CUDA, where what is
+        returned waits for the DMA to land).
+        """
+        if not self.overlap:
+            if slot.pinned:
+                stream = self._side_stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                staging.copy_into(slot.views, sources, stream)
+                stream.synchronize()
+            else:
+                staging.copy_into(slot.views, sources)
+            return None
+        if not self._guarded and not self._warned:
+            self._warned = True
+            log.warning("overlap=True without writer.guard(optimizer): a snapshot may mix "
+                        "values from two steps")
+        early = [sources[i] for i in slot.early], [slot.views[i] for i in slot.early]
+        late = [sources[i] for i in slot.late], [slot.views[i] for i in slot.late]
+        slot.copying = True
+        if not slot.pinned:
+            staging.copy_into(early[1], early[0])
+            return functools.partial(staging.copy_into, late[1], late[0])
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        staging.copy_into(early[1], early[0], stream)
+        buffers_done = torch.cuda.Event()
+        buffers_done.record(stream)
+        torch.cuda.current_stream().wait_event(buffers_done)  # GPU-side wait, CPU runs on
+        staging.copy_into(late[1], late[0], stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self._copy_event = copied
+        return copied.synchronize
+
+    def _side_stream(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def _send(self, data: bytes) -> None:
         try:

@@ -61,3 +61,13 @@ def no_leaks(_warm_sidecar):
                   if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not leaked_shm, f"/dev/shm entries leaked: {sorted(leaked_shm)}"
     assert not leaked_fds, f"file descriptors leaked: {leaked_fds}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skip them on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
