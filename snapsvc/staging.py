@@ -121,6 +121,8 @@ def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
               stream: "torch.cuda.Stream | None" = None) -> None:
     """Copy ``src`` into the slot views ``dst`` (one fused call where possible)."""
+    if not dst:
+        return
     if stream is None:
         torch._foreach_copy_(list(dst), list(src))
         return
