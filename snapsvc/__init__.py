@@ -15,15 +15,34 @@ from .checkpoint import (
     save_checkpoint,
     structural_hash,
 )
+from .convert import (
+    EntryInfo,
+    FileInfo,
+    TensorFile,
+    convert_file,
+    describe_file,
+    read_safetensors,
+    write_safetensors,
+)
 from .client import SnapshotWriter, WriteHandle, WriteReport
+from .distributed import (
+    DistributedSnapshotWriter,
+    DistributedWriteHandle,
+    DistributedWriteReport,
+    latest_checkpoint,
+    read_manifest,
+    restore_distributed,
+)
 from .errors import (
     ArchitectureMismatchError,
     BrokenWriterError,
+    DistributedCheckpointError,
     EncodeError,
     FormatError,
     ShapeMismatchError,
     SnapsvcError,
     StrictLoadError,
+    WorldSizeMismatchError,
     WriteFailedError,
 )
 from .resume import restore
@@ -52,6 +71,13 @@ __all__ = [
     "WriteReport",
     "verify",
     "VerifyReport",
+    "convert_file",
+    "describe_file",
+    "read_safetensors",
+    "write_safetensors",
+    "EntryInfo",
+    "FileInfo",
+    "TensorFile",
     "restore",
     "SnapsvcError",
     "FormatError",
@@ -61,4 +87,12 @@ __all__ = [
     "StrictLoadError",
     "BrokenWriterError",
     "WriteFailedError",
+    "DistributedCheckpointError",
+    "WorldSizeMismatchError",
+    "DistributedSnapshotWriter",
+    "DistributedWriteHandle",
+    "DistributedWriteReport",
+    "latest_checkpoint",
+    "read_manifest",
+    "restore_distributed",
 ]
