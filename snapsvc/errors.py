@@ -17,6 +17,8 @@ __all__ = [
     "StrictLoadError",
     "BrokenWriterError",
     "WriteFailedError",
+    "DistributedCheckpointError",
+    "WorldSizeMismatchError",
 ]
 
 
@@ -81,3 +83,28 @@ class WriteFailedError(SnapsvcError, OSError):
     The temp file is removed, and the previous checkpoint of that name and its
     metadata are untouched.
     """
+
+
+class DistributedCheckpointError(SnapsvcError, RuntimeError):
+    """A multi-rank checkpoint was not committed: no manifest was written.
+
+    Raised by every rank's handle. ``failures`` maps each rank that reported
+    a problem to its reason; ``timed_out`` is True when the ranks could not
+    even exchange their results (a rank died or hung past ``coord_timeout``).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 failures: dict[int, str] | None = None, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.step = step
+        self.failures = dict(failures or {})
+        self.timed_out = timed_out
+
+
+class WorldSizeMismatchError(SnapsvcError, ValueError):
+    """A multi-rank checkpoint was restored at a different world size (no resharding)."""
+
+    def __init__(self, message: str, *, saved: int, current: int) -> None:
+        super().__init__(message)
+        self.saved = saved
+        self.current = current
