@@ -255,10 +255,14 @@ class SnapshotWriter:
                 log.warning("removed %s left by a dead writer", path)
         req_r, req_w = self._ctx.Pipe(duplex=False)
         rep_r, rep_w = self._ctx.Pipe(duplex=False)
-        lock = self._ctx.Lock()
+        lock = staging.ClaimLock.create()
         proc = self._ctx.Process(target=writer_main, args=(req_r, rep_w, lock, self._options),
                                  name="snapsvc-writer", daemon=True)
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:
+            lock.close()
+            raise
         req_r.close()  # our copies of the child's ends: EOF must mean the peer is gone
         rep_w.close()
         ready = wait([rep_r, proc.sentinel], timeout=_START_TIMEOUT)
@@ -274,6 +278,7 @@ class SnapshotWriter:
             proc.join(5)
             req_w.close()
             rep_r.close()
+            lock.close()
             raise BrokenWriterError(f"the writer sidecar did not start: {_describe(proc)}")
         with self._cond:
             self._gen += 1
@@ -314,6 +319,8 @@ class SnapshotWriter:
             self._req.close()
         if self._proc is not None:
             self._proc.join(5)
+        if self._claim_lock is not None:
+            self._claim_lock.close()
         self._proc = self._req = self._reader = self._claim_lock = None
 
     def finish(self, timeout: float | None = None) -> None:
@@ -643,7 +650,7 @@ class SnapshotWriter:
     def _revoke_newest(self, pool: list[_Slot]) -> _Slot | None:
         """Take back the newest queued, unstarted snapshot's slot (cond held)."""
         for slot in sorted((s for s in pool if s.seq), key=lambda s: s.seq, reverse=True):
-            with self._claim():
+            with self._claim_lock:
                 if int(slot.claim.item()) != slot.seq:
                     continue  # the writer already started it
                 slot.claim.fill_(REVOKED)
@@ -656,11 +663,8 @@ class SnapshotWriter:
             return slot
         return None
 
-    def _claim(self) -> "_ClaimLock":
-        return _ClaimLock(self._claim_lock, self)
-
     def _set_claim(self, slot: _Slot, seq: int) -> None:
-        with self._claim():
+        with self._claim_lock:
             slot.claim.fill_(seq)
 
     def _register(self, pool: list[_Slot]) -> None:
@@ -759,25 +763,6 @@ class SnapshotWriter:
         return {**self._counts, "pending": pending, "slot_bytes": slot_bytes,
                 "stall_p50_s": pct(0.50), "stall_p99_s": pct(0.99),
                 "stall_max_s": stalls[-1] if stalls else 0.0, "pid": self.pid}
-
-
-class _ClaimLock:
-    """The cross-process claim lock, acquired with a timeout so a dead writer
-    that held it cannot hang the trainer."""
-
-    def __init__(self, lock: Any, owner: SnapshotWriter) -> None:
-        self._lock = lock
-        self._owner = owner
-
-    def __enter__(self) -> None:
-        while not self._lock.acquire(timeout=0.5):
-            proc = self._owner._proc
-            if proc is None or _exited(proc):
-                raise BrokenWriterError(f"the writer sidecar {_describe(proc)} holding a slot "
-                                        "lock")
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
 
 
 def _exited(proc: Any) -> bool:

@@ -12,8 +12,11 @@ both processes are SIGKILLed.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from . import fdl
 
 __all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "TensorSpec", "Layout", "allocate", "claim_word", "views",
-           "copy_into", "unpin"]
+           "copy_into", "unpin", "ClaimLock"]
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
@@ -107,6 +110,48 @@ def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
 def claim_word(flat: torch.Tensor) -> torch.Tensor:
     """The slot's claim word, an int64 view into its shared header."""
     return flat[:8].view(torch.int64)
+
+
+class ClaimLock:
+    """The lock guarding claim words, between the trainer and its sidecar.
+
+    A POSIX record lock (``fcntl.lockf``) on an anonymous ``memfd`` both
+    processes hold: the kernel drops it when its holder dies, so a SIGKILL
+    can never leave the other side waiting, and unlike a named semaphore it
+    leaves nothing in /dev/shm. Record locks belong to a process, not a
+    thread, so a thread lock orders the threads of one process first.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._threads = threading.Lock()
+
+    @classmethod
+    def create(cls) -> "ClaimLock":
+        return cls(os.memfd_create("snapsvc-claims", os.MFD_CLOEXEC))
+
+    def __enter__(self) -> None:
+        self._threads.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        self._threads.release()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __reduce__(self) -> tuple:
+        # Pickled as Process args under spawn, DupFd makes the child inherit the fd.
+        return _rebuild_claim_lock, (reduction.DupFd(self.fd),)
+
+
+def _rebuild_claim_lock(dupfd: Any) -> ClaimLock:
+    return ClaimLock(dupfd.detach())
 
 
 def unpin(flat: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ the whole data flow.
 
 Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
 queued but not yet started. Each slot's header holds an int64 claim word,
-read and written only under a lock shared by both processes:
+read and written only under a lock shared by both processes
+(:class:`snapsvc.staging.ClaimLock`, which the kernel releases if its holder dies):
 
 - the trainer sets it to the seq of the WRITE it is about to send;
 - the writer, on that WRITE, sets it to ``STARTED`` if it still holds that
@@ -43,7 +44,6 @@ log = logging.getLogger("snapsvc.writer")
 
 STARTED = -1
 REVOKED = -2
-_LOCK_TIMEOUT = 5.0
 _PARENT_POLL_S = 0.5
 
 
@@ -59,7 +59,7 @@ class _Slot:
 
 
 class _Sidecar:
-    def __init__(self, req: Connection, rep: Connection, lock: Any,
+    def __init__(self, req: Connection, rep: Connection, lock: staging.ClaimLock,
                  options: dict[str, Any]) -> None:
         self.req = req
         self.rep = rep
@@ -81,15 +81,11 @@ class _Sidecar:
             self.reports_lost = True
 
     def claim(self, slot: _Slot, seq: int) -> bool:
-        if not self.lock.acquire(timeout=_LOCK_TIMEOUT):
-            raise RuntimeError("claim lock held too long; was the trainer killed holding it?")
-        try:
+        with self.lock:
             if int(slot.claim.item()) != seq:
                 return False
             slot.claim.fill_(STARTED)
             return True
-        finally:
-            self.lock.release()
 
     def prune(self, path: str) -> list[str]:
         """keep_last: drop our oldest files in this directory once ``path`` is durable."""
@@ -179,7 +175,8 @@ class _Sidecar:
                 return
 
 
-def writer_main(req: Connection, rep: Connection, lock: Any, options: dict[str, Any]) -> None:
+def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
+                options: dict[str, Any]) -> None:
     """Entry point of the writer process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
