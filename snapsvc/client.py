@@ -124,25 +124,37 @@ class _Slot:
             self.pinned = False
 
 
-def _spec(t: torch.Tensor) -> tuple:
-    return t.shape, t.dtype, t.device
+def _walk(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter and buffer slot of every submodule, in one pass.
+
+    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
+    ``buffers()`` would walk the tree twice and build names and sets, which
+    costs milliseconds on models with thousands of tensors, on every submit.
+    """
+    out: list[torch.Tensor | None] = []
+    for mod in model.modules():
+        out.extend(mod._parameters.values())
+        out.extend(mod._buffers.values())
+    return out
 
 
 @dataclass
 class _Plan:
     """What submit() needs of a model, valid while its tensors stay the same."""
 
-    params: list[torch.Tensor]    # model.parameters() when planned
-    buffers: list[torch.Tensor]   # model.buffers() when planned (persistent or not)
-    sources: list[torch.Tensor]   # params, then persistent buffers: the copy's sources
-    specs: list[tuple]            # (shape, dtype, device) of each source
+    walked: list[torch.Tensor | None]  # _walk(model) when planned
+    sources: list[torch.Tensor]        # params, then persistent buffers: the copy's sources
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    device: torch.device | None        # of the first source; a model moves as a whole
     pool: list[_Slot]
 
-    def matches(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
-        return (len(params) == len(self.params) and len(buffers) == len(self.buffers)
-                and all(map(operator.is_, params, self.params))
-                and all(map(operator.is_, buffers, self.buffers))
-                and all(_spec(t) == s for t, s in zip(self.sources, self.specs)))
+    def matches(self, walked: list[torch.Tensor | None]) -> bool:
+        src = self.sources
+        return (len(walked) == len(self.walked) and all(map(operator.is_, walked, self.walked))
+                and all(t.shape == s for t, s in zip(src, self.shapes))
+                and all(t.dtype is d for t, d in zip(src, self.dtypes))
+                and (not src or src[0].device == self.device))
 
 
 @dataclass
@@ -588,16 +600,17 @@ class SnapshotWriter:
 
         Walking a module tree by name and hashing its layout costs
         milliseconds for thousands of tensors; the cache is checked instead by
-        identity, shape, dtype and device of every tensor, which is enough to
-        see a replaced, resized, cast or moved parameter or buffer.
+        identity, shape and dtype of every tensor and the device of the first,
+        which is enough to see a replaced, added, resized, cast or moved
+        parameter or buffer.
         """
-        params, buffers = list(model.parameters()), list(model.buffers())
+        walked = _walk(model)
         plan = self._plans.get(model)
-        if plan is None or not plan.matches(params, buffers):
+        if plan is None or not plan.matches(walked):
             named, persistent = list(model.named_parameters()), list(persistent_buffers(model))
             sources = [t for _, t in named + persistent]
-            plan = _Plan(params, buffers, sources, [_spec(t) for t in sources],
-                         self._pool(named, persistent))
+            plan = _Plan(walked, sources, [t.shape for t in sources], [t.dtype for t in sources],
+                         sources[0].device if sources else None, self._pool(named, persistent))
             self._plans[model] = plan
         return plan.sources, plan.pool
 
