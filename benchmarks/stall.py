@@ -14,7 +14,7 @@ measures: the stall of each save() (p50, p99) with the write awaited outside
 the timed region; the time until the file is durable; the time added per
 checkpoint to a synthetic training loop (fixed compute plus an SGD update per
 step, a checkpoint every ``--every`` steps) against the same loop without
-checkpoints; and peak RSS of the worker and of its children. snapsvc-block's
+checkpoints, run alternately twice each (medians); and peak RSS of the worker and of its children. snapsvc-block's
 worker also times a raw copy of the same tensors into preallocated shared
 memory (pinned memory on CUDA): the floor any staging pays.
 
@@ -76,20 +76,30 @@ def model_bytes(model: nn.Module) -> int:
 
 
 class Loop:
-    """A training step of fixed work: ``work`` matmuls, then an SGD update of every parameter."""
+    """A training step: fixed compute, then an SGD update of every parameter.
 
-    def __init__(self, model: nn.Module, work: int, device: str) -> None:
+    ``compute="sleep"`` (default) waits ``ms`` as a host thread waits for its
+    GPU, leaving the CPU to whoever can use it: the picture of GPU training
+    on a CPU-only box. ``compute="matmul"`` burns the CPU instead (``work``
+    matmuls), so every CPU cycle a method spends in the background is taken
+    from training.
+    """
+
+    def __init__(self, model: nn.Module, compute: str, ms: float, work: int,
+                 device: str) -> None:
         for p in model.parameters():
             p.grad = torch.full_like(p, 1e-6)
         self.opt = torch.optim.SGD(model.parameters(), lr=1.0)
         self.a = torch.randn(256, 256, device=device)
-        self.work = work
-        self.device = device
+        self.compute, self.ms, self.work, self.device = compute, ms, work, device
 
     def step(self) -> None:
-        x = self.a
-        for _ in range(self.work):
-            x = torch.tanh(x @ self.a)
+        if self.compute == "sleep":
+            time.sleep(self.ms / 1e3)
+        else:
+            x = self.a
+            for _ in range(self.work):
+                x = torch.tanh(x @ self.a)
         self.opt.step()
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -191,23 +201,32 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 stall.append(time.perf_counter() - t0)
                 durable.append(method.wait_durable())
 
-        loop = Loop(model, args.work, args.device)
+        loop = Loop(model, args.compute, args.compute_ms, args.work, args.device)
         if hasattr(method, "attach"):
             method.attach(loop.opt)
         loop.step()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loop.step()
-        base_s = time.perf_counter() - t0
-        n_ckpt = 0
-        t0 = time.perf_counter()
-        for s in range(1, args.steps + 1):
-            loop.step()
-            if s % args.every == 0:
-                method.save(model, 1000 + s)
-                n_ckpt += 1
-        ckpt_s = time.perf_counter() - t0
-        method.wait_durable()
+
+        def run_loop(checkpoints: bool) -> tuple[float, int]:
+            # ``every`` extra steps after the last checkpoint: its background
+            # cost lands inside the timed region, as in a run that goes on.
+            n = 0
+            t0 = time.perf_counter()
+            for s in range(1, args.steps + args.every + 1):
+                loop.step()
+                if checkpoints and s % args.every == 0 and s <= args.steps:
+                    method.save(model, 1000 + s)
+                    n += 1
+            elapsed = time.perf_counter() - t0
+            if n:
+                method.wait_durable()
+            return elapsed, n
+
+        base, ckpt = [], []
+        for _ in range(2):  # A B A B: drift on a shared machine hits both alike
+            base.append(run_loop(False)[0])
+            elapsed, n_ckpt = run_loop(True)
+            ckpt.append(elapsed)
+        base_s, ckpt_s = statistics.median(base), statistics.median(ckpt)
         method.close()
     self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -216,7 +235,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
            "stall_p50_ms": 1e3 * statistics.median(stall), "stall_p99_ms": 1e3 * pct(stall, .99),
            "durable_p50_ms": 1e3 * statistics.median(durable),
            "added_per_ckpt_ms": 1e3 * (ckpt_s - base_s) / n_ckpt,
-           "step_ms": 1e3 * base_s / args.steps,
+           "step_ms": 1e3 * base_s / (args.steps + args.every),
            "rss_MiB": self_rss, "child_rss_MiB": child_rss}
     if raw_s:
         row["raw_p50_ms"] = 1e3 * statistics.median(raw_s)
@@ -228,6 +247,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 def run_one(args: argparse.Namespace, model: str, method: str, work: int) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
            "--method", method, "--work", str(work), "--reps", str(args.reps),
+           "--compute", args.compute, "--compute-ms", str(args.compute_ms),
            "--steps", str(args.steps), "--every", str(args.every), "--device", args.device,
            "--dtype", args.dtype] + (["--dir", args.dir] if args.dir else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
@@ -321,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="training-loop steps per run")
     ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     ap.add_argument("--compute-ms", type=float, default=30.0, help="fixed compute per step")
+    ap.add_argument("--compute", default="sleep", choices=["sleep", "matmul"],
+                    help="sleep: the CPU is free while the 'GPU' computes (default); "
+                    "matmul: training keeps the CPU busy")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--dir", default=None, help="where files go (default: a temp dir here)")
@@ -342,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         machine += f" ({torch.cuda.get_device_name()})"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {machine}", flush=True)
-    print(f"# reps={args.reps}, loop {args.steps} steps of ~{args.compute_ms:.0f} ms compute "
-          f"({work} matmuls) + SGD update, a checkpoint every {args.every}", flush=True)
+    what = "sleep" if args.compute == "sleep" else f"{work} matmuls"
+    print(f"# reps={args.reps}, loop {args.steps} steps of {args.compute_ms:.0f} ms compute "
+          f"({what}) + SGD update, a checkpoint every {args.every}", flush=True)
     rows = []
     for model in args.models:
         for method in args.methods:

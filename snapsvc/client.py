@@ -186,6 +186,9 @@ class SnapshotWriter:
     on a side CUDA stream into pinned memory); pair it with :meth:`guard`. The
     WRITE message then leaves after the copy, so a trainer SIGKILLed in that
     window loses that snapshot, which blocking mode never does.
+    ``nice``: added to the sidecar's nice value (0 = training's priority); the
+    default 10 lets a CPU-bound training loop keep the cores, at the price of
+    later durability when they are all busy.
     ``fault_hook``: for tests, a picklable ``hook(stage, path)`` run inside the
     sidecar at "start" and at each durable-write stage (see
     :func:`snapsvc.durable.set_fault_hook`); raising ``OSError`` there
@@ -196,7 +199,7 @@ class SnapshotWriter:
                  policy: str = "block", keep_last: int | None = None,
                  compress_level: int | None = None, start_method: str = "spawn",
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
-                 overlap: bool = False,
+                 overlap: bool = False, nice: int = 10,
                  fault_hook: Callable[[str, str], None] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -219,8 +222,10 @@ class SnapshotWriter:
         self._warned = False
         self.sigterm = sigterm
         self._ctx = tmp.get_context(start_method)
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be 0..19, got {nice}")
         self._options = {"keep_last": keep_last, "compress_level": compress_level,
-                         "fault_hook": fault_hook}
+                         "nice": nice, "fault_hook": fault_hook}
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._pools: dict[tuple, list[_Slot]] = {}

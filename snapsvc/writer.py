@@ -181,6 +181,8 @@ def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # Training must not wait on the sidecar: on a busy box it yields the CPU.
+    os.nice(options.get("nice", 0))
     hook = options.get("fault_hook")
     set_fault_hook(hook)
     if hook is not None:

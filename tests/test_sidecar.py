@@ -155,11 +155,12 @@ def test_slot_reuse_allocates_nothing_after_warmup(tmp_path, net):
     assert before[3] == 2 * layout.nbytes  # two slots, nothing per snapshot
 
 
-def test_sidecar_is_spawned(tmp_path, net):
-    with snapsvc.SnapshotWriter(tmp_path) as w:
+def test_sidecar_is_spawned_at_lower_priority(tmp_path, net):
+    with snapsvc.SnapshotWriter(tmp_path, nice=7) as w:
         cmdline = open(f"/proc/{w.pid}/cmdline", "rb").read().split(b"\0")
         assert any(b"multiprocessing.spawn" in part for part in cmdline)
         assert w._proc.daemon
+        assert os.getpriority(os.PRIO_PROCESS, w.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
 
 
 def test_pid_none_before_start_and_autostart(tmp_path, net):
@@ -230,7 +231,8 @@ def test_unsupported_dtype_refused_at_submit(tmp_path, net):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"slots": 0}, "slots"), ({"policy": "newest"}, "policy"),
-    ({"keep_last": 0}, "keep_last"), ({"compress_level": 9}, "compress_level")])
+    ({"keep_last": 0}, "keep_last"), ({"compress_level": 9}, "compress_level"),
+    ({"nice": 20}, "nice")])
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         snapsvc.SnapshotWriter(**kwargs)
