@@ -77,7 +77,7 @@ from .client import SnapshotWriter, WriteHandle, WriteReport
 from .durable import atomic_write, fsync_dir
 from .errors import DistributedCheckpointError, FormatError, WorldSizeMismatchError
 from .meta import meta_path, read_meta
-from .resume import optim_path, restore
+from .resume import restore
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",
            "Manifest", "RankFile", "MANIFEST_NAME", "latest_checkpoint", "read_manifest",
@@ -588,7 +588,7 @@ class DistributedSnapshotWriter:
                 return
             try:
                 self._one(item)
-            except BaseException as e:  # noqa: BLE001 - never let the thread die silently
+            except BaseException as e:  # never let the thread die silently
                 log.exception("snapsvc: coordinating step %d failed", item.step)
                 self._fail(item, DistributedCheckpointError(
                     f"step {item.step}: coordination failed on rank {self.rank}: {_reason(e)}",

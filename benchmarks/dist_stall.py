@@ -1,0 +1,299 @@
+"""Stall per rank of a multi-rank checkpoint: snapsvc's DistributedSnapshotWriter
+against DCP's ``async_save`` (PROCESS checkpointer, reused DefaultStager), one run.
+
+    python benchmarks/dist_stall.py                         # world 2, 64M and small
+    python benchmarks/dist_stall.py --world 2 --reps 10 --json out.json
+
+Each rank is a spawned process on gloo (CPU) holding its own model of the
+named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
+tensors of 32 KiB). For each model the ranks alternate the two methods,
+``--reps`` times each after one untimed warm-up (which starts the sidecars,
+DCP's checkpoint process and its gloo group, and allocates the staging
+memory), with a barrier before every save so ranks start together:
+
+* ``snapsvc``: ``DistributedSnapshotWriter.submit(model, step)``: the copy
+  into a shared-memory slot; the sidecar writes ``step_<N>/rank<r>.fdl``,
+  rank 0 the manifest once every rank's file is durable.
+* ``dcp``: ``torch.distributed.checkpoint.async_save({"model": sd},
+  checkpoint_id=dir, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+  async_stager=<one DefaultStager per model, reused>)`` with
+  ``StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+  use_async_staging=False, use_non_blocking_copy=False)`` (the two
+  accelerator options raise or are ignored without CUDA; synchronous staging
+  is the better choice on CPU, where nothing overlaps the copy). It returns
+  once the state dict is copied into the stager's shared memory.
+
+Stall is the time the training loop is held by that call. ``durable`` is from
+the call to the checkpoint being complete on every rank: snapsvc's handle
+result (manifest committed), DCP's upload future (``.metadata`` renamed) plus
+an fsync of the checkpoint directory and its parent, which DCP leaves out.
+Both are waited for outside the timed region, so no save ever waits for a
+previous one. Older checkpoints are deleted between reps (untimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import Future
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import snapsvc
+
+_LARGE = 16 << 20
+WAIT_S = 600.0
+
+
+def build_model(spec: str, seed: int) -> nn.Module:
+    """Same shapes as benchmarks/stall.py."""
+    torch.manual_seed(seed)
+    if spec.startswith("small"):
+        sizes = [(32 << 10) // 4] * (int(spec.split(":")[1]) if ":" in spec else 4096)
+    else:
+        total = int(spec[:-1]) << (20 if spec.endswith("M") else 30)
+        sizes = [_LARGE // 4] * (total // _LARGE) + ([(total % _LARGE) // 4] if total % _LARGE else [])
+    m = nn.Module()
+    for i, n in enumerate(sizes):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.randn(n)))
+    return m
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@torch.no_grad()
+def _touch(model: nn.Module) -> None:
+    torch._foreach_add_(list(model.parameters()), 1.0)  # a "training step" between saves
+
+
+class Snapsvc:
+    name = "snapsvc"
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self.w = snapsvc.DistributedSnapshotWriter(directory, coord_timeout=WAIT_S, slots=2)
+        self.w.start()
+        self.step = 0
+        self.handle = None
+
+    def save(self, model: nn.Module) -> None:
+        self.step += 1
+        self.handle = self.w.submit(model, self.step)
+
+    def wait_durable(self) -> None:
+        self.handle.result(timeout=WAIT_S)
+
+    def prune(self, rank: int) -> None:
+        if rank == 0:
+            for s in range(1, self.step):
+                shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class Dcp:
+    name = "dcp"
+
+    def __init__(self, directory: str) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=True,
+            use_async_staging=False, use_non_blocking_copy=False))
+        self.seq = 0
+        self.upload: Future | None = None
+        self.path = ""
+
+    def save(self, model: nn.Module) -> None:
+        from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint.state_dict_saver import (
+            AsyncCheckpointerType,
+            AsyncSaveResponse,
+        )
+        self.seq += 1
+        self.path = os.path.join(self.dir, f"dcp_{self.seq:04d}")
+        # One top-level key, as DCP's examples do: async_save wraps each
+        # top-level key in a logging decorator, costly for thousands of keys.
+        resp = async_save({"model": model.state_dict()}, checkpoint_id=self.path,
+                          async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                          async_stager=self.stager)
+        if isinstance(resp, AsyncSaveResponse):  # only with use_async_staging=True
+            resp.staging_completion.result(timeout=WAIT_S)
+            resp = resp.upload_completion
+        self.upload = resp
+
+    def wait_durable(self) -> None:
+        self.upload.result(timeout=WAIT_S)
+        _fsync_dir(self.path)
+        _fsync_dir(self.dir)
+
+    def prune(self, rank: int) -> None:
+        if rank == 0:
+            for s in range(1, self.seq):
+                shutil.rmtree(os.path.join(self.dir, f"dcp_{s:04d}"), ignore_errors=True)
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def _stop_dcp_process(timeout: float = 30.0) -> None:
+    """Stop DCP's module-global checkpoint process (no public API does):
+    TERMINATE over its pipe, then SIGTERM, then SIGKILL, each bounded."""
+    from torch.distributed.checkpoint import _async_process_executor as ape
+    proc = ape._CHECKPOINT_PROCESS
+    if proc is None:
+        return
+    ape._CHECKPOINT_PROCESS = None
+    p = proc._save_process
+    try:
+        if p.is_alive():
+            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
+            p.join(timeout)
+    except (OSError, ValueError):
+        pass
+    for stop in (p.terminate, p.kill):
+        if p.is_alive():
+            stop()
+            p.join(5)
+
+
+def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], reps: int,
+              threads: int) -> None:
+    torch.set_num_threads(threads)
+    out: dict = {"rank": rank, "models": {}}
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=WAIT_S))
+        for spec in specs:
+            model = build_model(spec, 1000 + rank)
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            d = os.path.join(base, spec)
+            methods = [Snapsvc(os.path.join(d, "snapsvc")), Dcp(os.path.join(d, "dcp"))]
+            rec = {m.name: {"stall_s": [], "durable_s": []} for m in methods}
+            for rep in range(reps + 1):        # rep 0: warm-up, not recorded
+                for m in methods:
+                    _touch(model)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    m.save(model)
+                    stall = time.perf_counter() - t0
+                    m.wait_durable()
+                    durable = time.perf_counter() - t0
+                    if rep:
+                        rec[m.name]["stall_s"].append(stall)
+                        rec[m.name]["durable_s"].append(durable)
+                    dist.barrier()             # every rank done before rank 0 prunes
+                    m.prune(rank)
+            for m in methods:
+                m.close()
+            _stop_dcp_process()                # the next model gets a fresh one
+            out["models"][spec] = {"bytes": nbytes, "tensors": len(list(model.parameters())),
+                                   **rec}
+            dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        out["crash"] = traceback.format_exc()
+    with open(os.path.join(base, f"result{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
+    lines = [(f"world size {world}, gloo on CPU, {reps} timed saves per method per model "
+              f"(after 1 warm-up), torch {torch.__version__}, {os.cpu_count()} CPUs"),
+             "",
+             ("| model | method | rank | stall p50 ms | stall p90 ms | stall max ms "
+              "| durable p50 s | durable max s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for spec in specs:
+        for method in ("snapsvc", "dcp"):
+            for res in results:
+                r = res["models"][spec][method]
+                mb = res["models"][spec]["bytes"] / (1 << 20)
+                label = f"{spec} ({res['models'][spec]['tensors']} x, {mb:.0f} MiB/rank)"
+                lines.append(
+                    f"| {label} | {method} | {res['rank']} "
+                    f"| {statistics.median(r['stall_s']) * 1e3:.1f} "
+                    f"| {pct(r['stall_s'], 0.9) * 1e3:.1f} | {max(r['stall_s']) * 1e3:.1f} "
+                    f"| {statistics.median(r['durable_s']):.2f} | {max(r['durable_s']):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=["64M", "small"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="whole run, seconds")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="dist_stall-", dir=args.dir)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's checkpoint process binds here
+    threads = max(1, (os.cpu_count() or 1) // args.world)
+    ctx = mp.get_context("spawn")
+    init = f"file://{base}/rendezvous"
+    procs = [ctx.Process(target=rank_main, name=f"rank{r}",
+                         args=(r, args.world, init, base, args.models, args.reps, threads))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                print(f"{p.name} did not finish in {args.timeout:.0f} s; killed", file=sys.stderr)
+                p.kill()
+                p.join(10)
+    try:
+        results = []
+        for r in range(args.world):
+            with open(os.path.join(base, f"result{r}.json")) as f:
+                results.append(json.load(f))
+        crashed = [r for r in results if "crash" in r]
+        for r in crashed:
+            print(f"rank {r['rank']} failed:\n{r['crash']}", file=sys.stderr)
+        if crashed:
+            return 1
+        print(table(results, args.models, args.world, args.reps))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world": args.world, "reps": args.reps, "results": results}, f,
+                          indent=1)
+        return 0
+    except FileNotFoundError as e:
+        print(f"a rank wrote no result: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
