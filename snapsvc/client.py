@@ -708,7 +708,6 @@ class SnapshotWriter:
                     raise self._broken
                 self._cond.wait(0.5)
 
-    @torch.no_grad()  # sources are live parameters; nothing here is for autograd
     def _stage(self, slot: _Slot, sources: list[torch.Tensor]) -> Callable[[], None] | None:
         """Copy ``sources`` into ``slot``.
 

@@ -163,9 +163,14 @@ def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in layout.specs]
 
 
+@torch.no_grad()  # grad mode is per thread: the overlap copier thread needs it too
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
               stream: "torch.cuda.Stream | None" = None) -> None:
-    """Copy ``src`` into the slot views ``dst`` (one fused call where possible)."""
+    """Copy ``src`` into the slot views ``dst`` (one fused call where possible).
+
+    Sources may be live parameters: without no_grad the copy would be
+    recorded by autograd, making the slot part of a graph.
+    """
     if not dst:
         return
     if stream is None:

@@ -48,6 +48,9 @@ def test_snapshots_never_mix_two_steps(tmp_path, device, overlap):
             opt.step()  # at once, while an overlapped copy may still be reading
             forward_backward(model, opt, device)  # and buffers change in the next forward
         reports = [h.result(timeout=120) for h in handles]
+        # the copies (on the copier thread, too) were not recorded by autograd
+        assert not any(v.requires_grad for pool in w._pools.values() for slot in pool
+                       for v in slot.views)
     for i, state in enumerate(expected):
         got = snapsvc.read_checkpoint(tmp_path / f"s{i}.fdl").entries
         assert list(got) == list(state)
