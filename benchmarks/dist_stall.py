@@ -50,7 +50,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import snapsvc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+import snapsvc  # noqa: E402
 
 _LARGE = 16 << 20
 WAIT_S = 600.0
@@ -155,25 +157,9 @@ class Dcp:
         self.stager.close()
 
 
-def _stop_dcp_process(timeout: float = 30.0) -> None:
-    """Stop DCP's module-global checkpoint process (no public API does):
-    TERMINATE over its pipe, then SIGTERM, then SIGKILL, each bounded."""
+def _stop_dcp_process() -> None:
     from torch.distributed.checkpoint import _async_process_executor as ape
-    proc = ape._CHECKPOINT_PROCESS
-    if proc is None:
-        return
-    ape._CHECKPOINT_PROCESS = None
-    p = proc._save_process
-    try:
-        if p.is_alive():
-            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
-            p.join(timeout)
-    except (OSError, ValueError):
-        pass
-    for stop in (p.terminate, p.kill):
-        if p.is_alive():
-            stop()
-            p.join(5)
+    peers._stop_checkpoint_process(ape)
 
 
 def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], reps: int,

@@ -76,7 +76,7 @@ from .checkpoint import LoadReport
 from .client import SnapshotWriter, WriteHandle, WriteReport
 from .durable import atomic_write, fsync_dir
 from .errors import DistributedCheckpointError, FormatError, WorldSizeMismatchError
-from .meta import meta_path, read_meta
+from .meta import meta_path, read_meta, read_msgpack_file
 from .resume import restore
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",
@@ -160,26 +160,11 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         directory, mpath = path, os.path.join(path, MANIFEST_NAME)
     else:
         directory, mpath = os.path.dirname(path), path
-    try:
-        with open(mpath, "rb") as f:
-            data = f.read(_MAX_MANIFEST + 1)
-    except FileNotFoundError:
-        raise FormatError("no manifest: the checkpoint is incomplete (not every rank's file "
-                          "was reported durable, or the save is still running); "
-                          "latest_checkpoint() finds the newest complete one",
-                          path=mpath) from None
-    if len(data) > _MAX_MANIFEST:
-        raise FormatError(f"manifest is larger than {_MAX_MANIFEST} bytes", path=mpath)
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise FormatError(f"manifest is not valid msgpack ({e})", path=mpath) from None
-    if not isinstance(raw, dict) or raw.get("magic") != MANIFEST_MAGIC:
-        raise FormatError(f"not a snapsvc manifest (expected magic {MANIFEST_MAGIC!r})",
-                          path=mpath)
-    if raw.get("manifest_version") != MANIFEST_VERSION:
-        raise FormatError(f"manifest version {raw.get('manifest_version')!r}; this snapsvc "
-                          f"reads version {MANIFEST_VERSION}", path=mpath)
+    raw = read_msgpack_file(
+        mpath, what="manifest", magic=MANIFEST_MAGIC, version_key="manifest_version",
+        version=MANIFEST_VERSION, limit=_MAX_MANIFEST, missing="no manifest: the checkpoint "
+        "is incomplete (not every rank's file was reported durable, or the save is still "
+        "running); latest_checkpoint() finds the newest complete one")
     try:
         ranks = [RankFile(**r) for r in raw["ranks"]]
         fields = {k: raw[k] for k in Manifest.__dataclass_fields__ if k in raw and k != "ranks"}
@@ -378,6 +363,40 @@ def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None =
             handle._future.set_result(result)
     except Exception:  # InvalidStateError: a racing close() settled it first
         pass
+
+
+_MSG_MAX = 16 << 10  # bytes of msgpack per rank per exchange (errors are cut to fit)
+
+
+def _to_tensor(obj: Any) -> torch.Tensor:
+    """msgpack ``obj`` into a fixed-size uint8 tensor: a u32 length, then the bytes.
+
+    The ``*_object`` collectives would do this with pickle, and need numpy.
+    """
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > _MSG_MAX - 4:
+        raise ValueError(f"coordination message of {len(data)} bytes exceeds {_MSG_MAX - 4}")
+    buf = torch.zeros(_MSG_MAX, dtype=torch.uint8)
+    buf[: 4 + len(data)] = torch.frombuffer(bytearray(len(data).to_bytes(4, "little") + data),
+                                            dtype=torch.uint8)
+    return buf
+
+
+def _from_tensor(buf: torch.Tensor) -> Any:
+    n = int.from_bytes(bytes(buf[:4].tolist()), "little")
+    return msgpack.unpackb(bytes(buf[4: 4 + n].tolist()), raw=False)
+
+
+def _all_gather_msg(obj: Any, world_size: int, group: Any) -> list[Any]:
+    out = [torch.empty(_MSG_MAX, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(out, _to_tensor(obj), group=group)
+    return [_from_tensor(t) for t in out]
+
+
+def _broadcast_msg(obj: Any, src: int, group: Any) -> Any:
+    buf = _to_tensor(obj)
+    dist.broadcast(buf, src=src, group=group)
+    return _from_tensor(buf)
 
 
 def _reason(e: BaseException) -> str:
@@ -643,9 +662,8 @@ class DistributedSnapshotWriter:
             return
         mine, report = self._local(item)
         t0 = time.monotonic()
-        gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, mine, group=self._group)
+            gathered = _all_gather_msg(mine, self.world_size, self._group)
         except Exception as e:
             self._broken = DistributedCheckpointError(
                 f"step {step}: exchanging write results with the other ranks failed "
@@ -675,7 +693,7 @@ class DistributedSnapshotWriter:
                 decision = [False, f"writing the manifest on rank 0: {_reason(e)}"]
         committed_here = decision[0]
         try:
-            dist.broadcast_object_list(decision, src=self._root, group=self._group)
+            decision = _broadcast_msg(decision, self._root, self._group)
         except Exception as e:
             self._broken = DistributedCheckpointError(
                 f"step {step}: the commit decision did not arrive from rank 0 "

@@ -28,7 +28,7 @@ from .durable import DurableFile, commit, discard, staged_write
 from .errors import FormatError
 
 __all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "stage_meta", "write_with_meta",
-           "read_meta"]
+           "read_meta", "read_msgpack_file"]
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
@@ -103,28 +103,36 @@ def write_with_meta(path: str | os.PathLike[str], entries: list[tuple[str, torch
                      sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 
 
-def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
-    """Read the metadata of ``checkpoint``; FormatError if absent or malformed."""
-    path = meta_path(checkpoint)
+def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str, version: int,
+                      missing: str, limit: int = _MAX_META) -> dict[str, Any]:
+    """Read a small snapsvc msgpack map (metadata, manifest), checking size,
+    encoding, magic and version; every failure is a FormatError naming ``path``."""
     try:
         with open(path, "rb") as f:
-            data = f.read(_MAX_META + 1)
+            data = f.read(limit + 1)
     except FileNotFoundError:
-        raise FormatError("no metadata file: the checkpoint is an unfinished write, or was "
-                          "not written by snapsvc (read_checkpoint reads its entries)",
-                          path=path) from None
-    if len(data) > _MAX_META:
-        raise FormatError(f"metadata is larger than {_MAX_META} bytes", path=path)
+        raise FormatError(missing, path=path) from None
+    if len(data) > limit:
+        raise FormatError(f"{what} is larger than {limit} bytes", path=path)
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
-        raise FormatError(f"metadata is not valid msgpack ({e})", path=path) from None
-    if not isinstance(raw, dict) or raw.get("magic") != META_MAGIC:
-        raise FormatError(f"not a snapsvc metadata file (expected magic {META_MAGIC!r})",
-                          path=path)
-    if raw.get("meta_version") != META_VERSION:
-        raise FormatError(f"metadata version {raw.get('meta_version')!r}; this snapsvc reads "
-                          f"version {META_VERSION}", path=path)
+        raise FormatError(f"{what} is not valid msgpack ({e})", path=path) from None
+    if not isinstance(raw, dict) or raw.get("magic") != magic:
+        raise FormatError(f"not a snapsvc {what} file (expected magic {magic!r})", path=path)
+    if raw.get(version_key) != version:
+        raise FormatError(f"{what} version {raw.get(version_key)!r}; this snapsvc reads "
+                          f"version {version}", path=path)
+    return raw
+
+
+def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
+    """Read the metadata of ``checkpoint``; FormatError if absent or malformed."""
+    path = meta_path(checkpoint)
+    raw = read_msgpack_file(
+        path, what="metadata", magic=META_MAGIC, version_key="meta_version",
+        version=META_VERSION, missing="no metadata file: the checkpoint is an unfinished "
+        "write, or was not written by snapsvc (read_checkpoint reads its entries)")
     fields = {k: raw[k] for k in Meta.__dataclass_fields__ if k in raw}
     try:
         return Meta(**fields)
