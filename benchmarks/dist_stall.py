@@ -50,6 +50,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from snapsvc.durable import fsync_dir
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 import snapsvc  # noqa: E402
@@ -70,14 +72,6 @@ def build_model(spec: str, seed: int) -> nn.Module:
     for i, n in enumerate(sizes):
         m.register_parameter(f"p{i}", nn.Parameter(torch.randn(n)))
     return m
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @torch.no_grad()
@@ -145,8 +139,8 @@ class Dcp:
 
     def wait_durable(self) -> None:
         self.upload.result(timeout=WAIT_S)
-        _fsync_dir(self.path)
-        _fsync_dir(self.dir)
+        fsync_dir(self.path)
+        fsync_dir(self.dir)
 
     def prune(self, rank: int) -> None:
         if rank == 0:

@@ -54,6 +54,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from snapsvc.durable import fsync_dir
+
 __all__ = ["Method", "TorchSaveSync", "ThreadAsync", "DcpProcessAsync", "peer_methods"]
 
 WAIT_S = 600.0  # upper bound on every wait on a background save
@@ -74,14 +76,6 @@ class Method(Protocol):
 
 # --------------------------------------------------------------------------- helpers
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _durable_torch_save(obj: object, path: str) -> float:
     """torch.save to a temp name, fsync, rename over ``path``, fsync the directory
     (a crash leaves the previous file at ``path`` or the new one, never a torn
@@ -92,7 +86,7 @@ def _durable_torch_save(obj: object, path: str) -> float:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
     return time.perf_counter()
 
 
@@ -353,8 +347,8 @@ class DcpProcessAsync:
             raise TimeoutError(f"DCP upload not done after {WAIT_S:.0f} s")
         self._upload.result(timeout=0)  # raises the checkpoint process's error, if any
         t = time.perf_counter()
-        _fsync_dir(self.last_path)  # .metadata was renamed in here
-        _fsync_dir(self._dir)  # the checkpoint directory is new
+        fsync_dir(self.last_path)  # .metadata was renamed in here
+        fsync_dir(self._dir)  # the checkpoint directory is new
         elapsed = self._durable_at[0] - self._t0 + (time.perf_counter() - t)
         self._prune(keep=1)  # untimed: delete older checkpoints
         return elapsed
