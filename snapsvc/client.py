@@ -278,7 +278,8 @@ class SnapshotWriter:
         try:
             proc.start()
         except BaseException:
-            lock.close()
+            for end in (req_r, req_w, rep_r, rep_w, lock):
+                end.close()
             raise
         req_r.close()  # our copies of the child's ends: EOF must mean the peer is gone
         rep_w.close()
@@ -323,6 +324,7 @@ class SnapshotWriter:
         if self._broken is not None:
             if not self.restart:
                 raise self._broken
+            self.wait_staged()  # the copier drops what it held for the dead writer first
             self._reap()
             self._counts["restarts"] += 1
             log.warning("restarting the writer sidecar after: %s", self._broken)
@@ -346,6 +348,7 @@ class SnapshotWriter:
         After ``timeout`` seconds the sidecar is killed; the snapshots it had
         not written are logged by path and their handles fail.
         """
+        self._not_from_reader("finish")
         if self._proc is None:
             self._closed = True
             self._release_slots()
@@ -397,11 +400,14 @@ class SnapshotWriter:
                     if data is not None:
                         self._on_report(gen, protocol.unpack(data))
                         continue
-                proc.join(5)
-                self._on_exit(gen, proc)
-                return
+                break
+        except Exception:  # a bug here must not leave handles waiting forever
+            log.exception("snapsvc: reading the writer's reports failed; stopping it")
+            proc.kill()
         finally:
             rep.close()
+        proc.join(5)
+        self._on_exit(gen, proc)
 
     def _on_report(self, gen: int, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -490,6 +496,10 @@ class SnapshotWriter:
                             f"not {type(model_or_snapshot).__name__}")
         check_extra(extra)
         path = self._resolve(path)
+        msg = {"path": path, "metrics": as_metrics(metrics), "epoch": int(epoch or 0),
+               "optim": optim_info, "extra": extra}
+        protocol.pack(protocol.WRITE, **msg)  # refuse what cannot be sent before taking a slot
+        self._not_from_reader("submit")
         self._ensure_running()
         self._counts["submitted"] += 1
         self._register(pool)
@@ -503,9 +513,12 @@ class SnapshotWriter:
             raise
         stage_s = time.monotonic() - started
         self._stalls.append(stage_s)
-        msg = {"path": path, "metrics": as_metrics(metrics), "epoch": int(epoch or 0),
-               "optim": optim_info, "extra": extra}
         with self._cond:
+            if self._broken is not None:  # died while we copied: nobody would resolve it
+                slot.seq = None
+                slot.copying = False
+                self._cond.notify_all()
+                raise self._broken
             self._seq += 1
             seq = self._seq
             handle = WriteHandle(seq, path)
@@ -516,6 +529,11 @@ class SnapshotWriter:
         else:
             self._inflight = self._copier().submit(self._finish_copy, rest, slot, seq, msg)
         return handle
+
+    def _not_from_reader(self, what: str) -> None:
+        if threading.current_thread() is self._reader:
+            raise RuntimeError(f"{what}() from a done-callback would deadlock: callbacks run on "
+                               "the thread that delivers reports; hand the work to another thread")
 
     def _free(self, slot: _Slot) -> None:
         with self._cond:
@@ -544,7 +562,8 @@ class SnapshotWriter:
             return
         with self._cond:
             slot.copying = False
-            if seq not in self._pending:  # the writer died meanwhile; handle already failed
+            p = self._pending.get(seq)
+            if p is None or p.gen != self._gen:  # the writer died meanwhile; handle failed
                 slot.seq = None
                 self._cond.notify_all()
                 return
@@ -695,11 +714,15 @@ class SnapshotWriter:
         todo = [slot for slot in pool if slot.gen != gen]
         if not todo:
             return
-        with self._send_lock:
-            for slot in todo:
-                self._req.send_bytes(protocol.pack(protocol.SLOT, slot=slot.id,
-                                                   layout=slot.layout.to_msg()))
-                self._req.send(slot.flat)
+        try:
+            with self._send_lock:
+                for slot in todo:
+                    self._req.send_bytes(protocol.pack(protocol.SLOT, slot=slot.id,
+                                                       layout=slot.layout.to_msg()))
+                    self._req.send(slot.flat)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            self._reader.join(5)  # it sees the death and sets _broken
+            raise self._broken or BrokenWriterError(f"the writer sidecar is gone ({e})") from e
         # Wait until the writer has mapped them: until then their fds live only
         # in this process, and a submit must not depend on it staying alive.
         with self._cond:

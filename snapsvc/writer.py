@@ -107,8 +107,11 @@ class _Sidecar:
     def write(self, msg: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
         seq, path = msg["seq"], msg["path"]
-        slot = self.slots[msg["slot"]]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
+        slot = self.slots.get(msg["slot"])
+        if slot is None:  # a trainer bug, reported rather than fatal to every later write
+            return {**base, "ok": False, "errno": None, "filename": path,
+                    "error": f"slot {msg['slot']} was never registered with this writer"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
         meta = Meta(buffers=slot.buffers, epoch=msg["epoch"], metrics=msg["metrics"],

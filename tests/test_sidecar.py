@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import time
 import zlib
 
 import pytest
@@ -254,3 +255,30 @@ def test_replaced_resized_or_cast_tensors_are_seen(tmp_path, net):
     assert torch.equal(file_state(tmp_path / "p2.fdl")["head.bias"], torch.full((5,), 3.0))
     assert file_state(tmp_path / "p3.fdl")["norm.running_mean"].dtype == torch.float64
     assert file_state(tmp_path / "p4.fdl")["step"].item() == 11
+
+
+def test_bad_message_fields_take_no_slot(tmp_path, net):
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        with pytest.raises(ValueError):
+            w.submit(net, "bad.fdl", metrics={"loss": "not a number"})
+        # the only slot is still free: this would block forever otherwise
+        assert not w.submit(net, "good.fdl").result(timeout=60).skipped
+
+
+def test_submit_from_a_done_callback_is_refused_not_deadlocked(tmp_path, net):
+    errors = []
+
+    def callback(handle):
+        try:
+            w.submit(net, "from-callback.fdl")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with snapsvc.SnapshotWriter(tmp_path, fault_hook=functools.partial(hooks.sleep, 0.5)) as w:
+        h = w.submit(net, "a.fdl")
+        h.add_done_callback(callback)  # pending: it will run on the reader thread
+        h.result(timeout=60)
+        deadline = time.monotonic() + 10
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert errors and "deadlock" in errors[0]
