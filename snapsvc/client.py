@@ -498,7 +498,6 @@ class SnapshotWriter:
         path = self._resolve(path)
         msg = {"path": path, "metrics": as_metrics(metrics), "epoch": int(epoch or 0),
                "optim": optim_info, "extra": extra}
-        protocol.pack(protocol.WRITE, **msg)  # refuse what cannot be sent before taking a slot
         self._not_from_reader("submit")
         self._ensure_running()
         self._counts["submitted"] += 1
@@ -605,6 +604,10 @@ class SnapshotWriter:
         if self.directory is not None and not os.path.isabs(path):
             path = os.path.join(self.directory, path)
         path = os.path.abspath(path)
+        try:
+            path.encode("utf-8")  # it travels in a msgpack str; refuse it before taking a slot
+        except UnicodeEncodeError:
+            raise ValueError(f"checkpoint path {path!r} is not valid UTF-8") from None
         self._dirs.add(os.path.dirname(path))
         return path
 

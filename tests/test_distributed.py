@@ -89,6 +89,15 @@ def rank1_faults(stage: str, path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def try_submit(w, model, step: int) -> str:
+    """'accepted', or the refusal of a writer that stopped after a failure."""
+    try:
+        w.submit(model, step)
+        return "accepted"
+    except snapsvc.DistributedCheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def scenario_happy(rank: int, world: int, tmp: str, other: str | None = None,
                    compressed: bool = False) -> dict:
     """Steps 1 and 2 pipelined (submitted before either resolves), step 3 with
@@ -183,11 +192,7 @@ def scenario_rank_killed(rank: int, world: int, tmp: str) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         out["step2"] = outcome(h)
         out["latest"] = snapsvc.latest_checkpoint(d)
-        try:
-            w.submit(model, 3)
-            out["submit_after"] = "accepted"
-        except snapsvc.DistributedCheckpointError as e:
-            out["submit_after"] = f"{type(e).__name__}: {e}"
+        out["submit_after"] = try_submit(w, model, 3)
     return out
 
 
@@ -206,11 +211,7 @@ def scenario_hung_rank(rank: int, world: int, tmp: str) -> dict:
             out["step2"] = outcome(w.submit(model, 2))
             out["step2_s"] = time.monotonic() - t0
             out["latest"] = snapsvc.latest_checkpoint(d)
-            try:
-                w.submit(model, 3)
-                out["submit_after"] = "accepted"
-            except snapsvc.DistributedCheckpointError as e:
-                out["submit_after"] = f"{type(e).__name__}: {e}"
+            out["submit_after"] = try_submit(w, model, 3)
             open(flag, "w").close()
         else:
             deadline = time.monotonic() + 60
