@@ -26,10 +26,12 @@ from typing import BinaryIO, Callable, Iterator
 
 from isal import isal_zlib
 
-__all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
+__all__ = ["TMP_SUFFIX", "NAME_MAX", "check_final_name", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
            "fsync_dir", "remove_stale_temps", "set_fault_hook"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
+NAME_MAX = 255          # bytes in one path component on Linux filesystems
+_LONGEST_SUFFIX = ".meta"  # the longest name snapsvc derives from a checkpoint's
 _hook: Callable[[str, str], None] | None = None
 
 
@@ -182,3 +184,12 @@ def remove_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def check_final_name(path: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint name whose companion files could not be created."""
+    name = os.path.basename(os.fspath(path))
+    if len(name.encode("utf-8")) + len(_LONGEST_SUFFIX) > NAME_MAX:
+        raise ValueError(f"checkpoint file name {name[:40]!r}... is {len(name.encode())} bytes; "
+                         f"with {_LONGEST_SUFFIX!r} added it exceeds the filesystem's "
+                         f"{NAME_MAX}-byte limit: use a shorter name")

@@ -17,6 +17,7 @@ __all__ = [
     "ShapeMismatchError",
     "StrictLoadError",
     "BrokenWriterError",
+    "SlotBudgetError",
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
@@ -89,6 +90,10 @@ class BrokenWriterError(SnapsvcError, RuntimeError):
     exit code or the signal. With ``restart=True`` the next submit starts a
     new sidecar.
     """
+
+
+class SlotBudgetError(SnapsvcError, ValueError):
+    """A snapshot's slots do not fit in the writer's ``max_slot_bytes``."""
 
 
 class WriteFailedError(SnapsvcError, OSError):
