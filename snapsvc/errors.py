@@ -19,6 +19,7 @@ __all__ = [
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
+    "PathError",
 ]
 
 
@@ -108,3 +109,8 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
         super().__init__(message)
         self.saved = saved
         self.current = current
+
+
+class PathError(SnapsvcError, ValueError):
+    """A checkpoint path that cannot be written as given (e.g. a file name longer
+    than the file system allows); raised before anything is written."""
