@@ -51,13 +51,15 @@ from .errors import (
     EncodeError,
     FormatError,
     PathError,
+    UnsupportedStateError,
     ShapeMismatchError,
     SnapsvcError,
     StrictLoadError,
     WorldSizeMismatchError,
     WriteFailedError,
 )
-from .resume import restore
+from .resume import checkpoint_files, restore
+from .state import load
 from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .verify import VerifyReport, verify
 
@@ -91,10 +93,13 @@ __all__ = [
     "FileInfo",
     "TensorFile",
     "restore",
+    "load",
+    "checkpoint_files",
     "SnapsvcError",
     "FormatError",
     "EncodeError",
     "PathError",
+    "UnsupportedStateError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
