@@ -59,7 +59,8 @@ from . import protocol, staging
 from .checkpoint import layout_hash, persistent_buffers
 from .copier import Copier
 from .durable import check_final_name, remove_stale_temps
-from .errors import BrokenWriterError, EncodeError, WriteFailedError
+from .errors import BrokenWriterError, EncodeError, PathError, WriteFailedError
+from .meta import meta_path
 from .pools import RESERVED, Plan, Pool, Slot, SlotPools, check_sources, walk
 from .resume import optimizer_state
 from .sidecar import Sidecar, describe
@@ -539,17 +540,17 @@ class SnapshotWriter:
         raw = os.fspath(path)
         name = os.path.basename(raw)
         if not raw or raw.endswith(os.sep) or name in ("", ".", ".."):
-            raise ValueError(f"checkpoint path {raw!r} names a directory; give a file name")
+            raise PathError(f"checkpoint path {raw!r} names a directory; give a file name")
         if self.directory is not None and not os.path.isabs(raw):
             raw = os.path.join(self.directory, raw)
         full = os.path.abspath(raw)
         try:
             full.encode("utf-8")  # it travels in a msgpack str; refuse it before taking a slot
         except UnicodeEncodeError:
-            raise ValueError(f"checkpoint path {full!r} is not valid UTF-8") from None
+            raise PathError(f"checkpoint path {full!r} is not valid UTF-8") from None
         if os.path.isdir(full):
-            raise ValueError(f"checkpoint path {full!r} is a directory; give a file name")
-        check_final_name(full)
+            raise PathError(f"checkpoint path {full!r} is a directory; give a file name")
+        check_final_name(meta_path(full))  # the longest name derived from it
         directory = os.path.dirname(full)
         if create:
             with self._cond:

@@ -10,6 +10,11 @@ before its metadata): :func:`staged_write` writes and fsyncs a temp file,
 :func:`commit` renames them in order and fsyncs each directory once.
 :func:`atomic_write` is both for one file.
 
+Temp files are created like ``open()`` creates files (mode 0666 less the
+umask), so a committed checkpoint has the permissions any other file written
+by the process would have, and are named so they fit the file system's name
+limit beside a final name of any allowed length (:func:`check_final_name`).
+
 Fault injection: :func:`set_fault_hook` installs ``hook(stage, path)``, called
 at ``"open"``, ``"write"``, ``"fsync"`` and ``"rename"``; raising ``OSError``
 there simulates a disk fault (tests use it for faults no filesystem here can
@@ -18,20 +23,22 @@ produce on demand, such as a failed fsync).
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import secrets
 import time
 from contextlib import contextmanager
 from typing import BinaryIO, Callable, Iterator
 
 from isal import isal_zlib
 
-__all__ = ["TMP_SUFFIX", "NAME_MAX", "check_final_name", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
-           "fsync_dir", "remove_stale_temps", "set_fault_hook"]
+from .errors import PathError
+
+__all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
+           "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
-NAME_MAX = 255          # bytes in one path component on Linux filesystems
-_LONGEST_SUFFIX = ".meta"  # the longest name snapsvc derives from a checkpoint's
+_NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
 _hook: Callable[[str, str], None] | None = None
 
 
@@ -94,18 +101,66 @@ def discard(*files: DurableFile) -> None:
             pass
 
 
+def _name_max(directory: str) -> int:
+    """The longest file name (bytes) ``directory`` takes, or :data:`_NAME_MAX` if unknown
+    (e.g. the directory does not exist yet)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _NAME_MAX
+
+
+def check_final_name(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`~snapsvc.errors.PathError` if ``path``'s file name is longer
+    than its directory allows, so a write can be refused before it starts."""
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    limit = _name_max(os.path.dirname(os.path.abspath(path)))
+    size = len(os.fsencode(name))
+    if size > limit:
+        raise PathError(f"{path}: the file name is {size} bytes, longer than the {limit} bytes "
+                        "the file system allows; use a shorter name")
+
+
+def _create_temp(path: str) -> tuple[int, str]:
+    """Create a new, empty temp file beside ``path``: (fd, temp path).
+
+    Named ``.<base>.<pid>.<random>`` + :data:`TMP_SUFFIX` (the pid is what
+    :func:`remove_stale_temps` reads); ``<base>`` is the final name, cut at a
+    character boundary when the whole would exceed the name limit. Created
+    with mode 0666 so the kernel applies the umask (and a directory's default
+    ACL) exactly as for ``open()``: reading the umask to chmod afterwards is
+    not thread-safe (``os.umask`` can only be read by setting it).
+    """
+    directory, base = os.path.split(path)
+    pid = os.getpid()
+    room = _name_max(directory) - len(f"..{pid}.{'0' * 8}{TMP_SUFFIX}")
+    encoded = os.fsencode(base)
+    if len(encoded) > room:
+        base = encoded[:max(room, 0)].decode("utf-8", "ignore")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    for _ in range(100):  # 32 random bits: a clash is rare, a hundred in a row impossible
+        tmp = os.path.join(directory, f".{base}.{pid}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
+
+
 @contextmanager
 def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     """Yield a :class:`DurableFile`; on exit it is flushed and fsynced, not renamed.
 
-    On an exception the temp file is removed. After a clean exit the caller
-    must :func:`commit` or :func:`discard` it.
+    A final name too long for its directory is a
+    :class:`~snapsvc.errors.PathError` before anything is written. On an
+    exception the temp file is removed. After a clean exit the caller must
+    :func:`commit` or :func:`discard` it.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    check_final_name(path)
     _fault("open", path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.",
-                               suffix=TMP_SUFFIX, dir=directory)
+    fd, tmp = _create_temp(os.path.abspath(path))
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             out = DurableFile(f, os.path.abspath(path), tmp)
@@ -184,12 +239,3 @@ def remove_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
-
-
-def check_final_name(path: str | os.PathLike[str]) -> None:
-    """Refuse a checkpoint name whose companion files could not be created."""
-    name = os.path.basename(os.fspath(path))
-    if len(name.encode("utf-8")) + len(_LONGEST_SUFFIX) > NAME_MAX:
-        raise ValueError(f"checkpoint file name {name[:40]!r}... is {len(name.encode())} bytes; "
-                         f"with {_LONGEST_SUFFIX!r} added it exceeds the filesystem's "
-                         f"{NAME_MAX}-byte limit: use a shorter name")

@@ -21,6 +21,7 @@ __all__ = [
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
+    "PathError",
 ]
 
 
@@ -127,3 +128,8 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
         super().__init__(message)
         self.saved = saved
         self.current = current
+
+
+class PathError(SnapsvcError, ValueError):
+    """A checkpoint path that cannot be written as given (e.g. a file name longer
+    than the file system allows); raised before anything is written."""
