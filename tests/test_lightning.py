@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import functools
 import importlib.util
@@ -117,14 +118,14 @@ def assert_same(got, want, where="checkpoint"):
 def test_load_waits_for_the_pending_write_and_returns_the_dict(tmp_path, no_leaks):
     io = SnapsvcCheckpointIO(fault_hook=functools.partial(hooks.sleep, 1.0))
     state = lightning_like()
+    want = copy.deepcopy(state)
     try:
         io.save_checkpoint(state, tmp_path / "a.ckpt")
         state["state_dict"]["net.0.weight"].add_(1)  # after save returns: must not reach the file
         got = io.load_checkpoint(tmp_path / "a.ckpt")  # the write is still held by the hook here
     finally:
         io.teardown()
-    state["state_dict"]["net.0.weight"].sub_(1)
-    assert_same(got, state)
+    assert_same(got, want)
 
 
 @pytest.mark.timeout(120)
