@@ -61,11 +61,11 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path, flavour, io, no_leak
 
 @pytest.mark.timeout(180)
 def test_save_top_k_1_leaves_one_checkpoint_and_no_companion_files(tmp_path, no_leaks):
-    # each write is held 0.5 s, so Lightning removes the previous checkpoint while it is still pending
+    # epoch 0's write is held 3 s, so Lightning removes it (after saving epoch 1) while it is pending
     d = tmp_path / "ckpts"
     lightning_script.fit(FLAVOURS[0], "snapsvc", str(d), 4,
                          checkpoint={"every_n_epochs": 1, "save_top_k": 1},
-                         fault_hook=functools.partial(hooks.sleep, 0.5))
+                         fault_hook=functools.partial(hooks.pause, "open", "epoch=0", 3.0))
     last = d / f"epoch=3-step={4 * lightning_script.BATCHES}.ckpt"
     assert sorted(os.listdir(d)) == sorted(os.path.basename(f) for f in snapsvc.checkpoint_files(str(last)))
     assert [f for f in os.listdir(d) if f.endswith(".ckpt")] == [last.name]
