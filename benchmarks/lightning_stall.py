@@ -23,8 +23,8 @@ The first checkpoint is reported apart (it starts the sidecar, allocates
 slots, warms the page cache); medians are over the rest. ``fit`` is the whole
 fit's wall time, teardown (draining pending writes) included.
 
-    python benchmarks/lightning_stall.py                  # 64 MiB, 40 steps
-    python benchmarks/lightning_stall.py --mib 256 --steps 60 --out results.txt
+    python benchmarks/lightning_stall.py                  # 64 MiB, 60 steps, every 10
+    python benchmarks/lightning_stall.py --mib 256 --steps 80 --out results.txt
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def _pl_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=64, help="model size in MiB (multiple of 16)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--every", type=int, default=4, help="steps between checkpoints")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--ms", type=float, default=30.0, help="simulated GPU compute per step")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="also write the table here")
