@@ -47,8 +47,9 @@ class SnapsvcCheckpointIO:
     refused at save with :class:`snapsvc.errors.UnsupportedStateError` naming
     the key: ``load_from_checkpoint`` hands them back to ``__init__`` as
     stored, so turning them into dicts would change what it builds. Loads never
-    unpickle, so ``weights_only`` has no effect; tensors load on the CPU unless
-    ``map_location`` names a device.
+    unpickle, so ``weights_only`` has no effect and a file Lightning's default
+    IO wrote (a pickle) is refused with ``FormatError``; tensors load on the
+    CPU unless ``map_location`` names a device.
     """
 
     def __init__(self, *, timeout: float = 600.0, **writer_options: Any) -> None:
@@ -60,6 +61,7 @@ class SnapsvcCheckpointIO:
         if writer_options.get("overlap"):
             raise ValueError("SnapsvcCheckpointIO cannot use overlap=True: it needs writer.guard() on "
                              "the optimizer, which the plugin cannot reach; use the default overlap=False")
+        SnapshotWriter(**writer_options)  # bad options fail here, not at the first save (starts nothing)
         self.timeout = timeout
         self._options = writer_options
         self._writer: SnapshotWriter | None = None

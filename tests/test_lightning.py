@@ -123,6 +123,10 @@ def test_load_waits_for_the_pending_write_and_returns_the_dict(tmp_path, no_leak
         io.save_checkpoint(state, tmp_path / "a.ckpt")
         state["state_dict"]["net.0.weight"].add_(1)  # after save returns: must not reach the file
         got = io.load_checkpoint(tmp_path / "a.ckpt")  # the write is still held by the hook here
+        moved = io.load_checkpoint(tmp_path / "a.ckpt", map_location="meta")
+        assert moved["optimizer_states"][0]["state"][0]["step"].device.type == "meta"
+        with pytest.raises(TypeError, match="map_location"):
+            io.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda storage, loc: storage)
     finally:
         io.teardown()
     assert_same(got, want)
@@ -164,6 +168,8 @@ def test_options_that_would_lose_checkpoints_are_refused():
         SnapsvcCheckpointIO(policy="skip")
     with pytest.raises(ValueError, match="overlap"):
         SnapsvcCheckpointIO(overlap=True)
+    with pytest.raises(ValueError, match="slots"):  # writer options are checked at once
+        SnapsvcCheckpointIO(slots=0)
     with pytest.raises(TypeError, match="storage_options"):
         SnapsvcCheckpointIO().save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
 
