@@ -30,6 +30,7 @@ fit's wall time, teardown (draining pending writes) included.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -60,10 +61,10 @@ def timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One fit with one IO; per-checkpoint times in seconds."""
-    import pytorch_lightning as pl
-    from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
     from snapsvc.lightning import SnapsvcCheckpointIO
+
+    pl = _pl()
+    AsyncCheckpointIO, TorchCheckpointIO = pl.plugins.io.AsyncCheckpointIO, pl.plugins.io.TorchCheckpointIO
 
     class Lit(pl.LightningModule):
         def __init__(self) -> None:
@@ -115,7 +116,7 @@ def run_one(args: argparse.Namespace, io: str) -> dict[str, Any]:
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     ms = lambda s: f"{1e3 * s:9.1f}"  # noqa: E731
     lines = [f"# lightning_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
-             f"torch {torch.__version__}, pytorch_lightning {_pl_version()}",
+             f"torch {torch.__version__}, {_pl().__name__} {_pl().__version__}",
              f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
              f"of {args.ms:g} ms, a checkpoint every {args.every} steps (save_top_k=1)",
              "io        checkpoints  stall p50 ms  stall max ms  io p50 ms  first stall ms   fit s  files"]
@@ -131,9 +132,12 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pl_version() -> str:
-    import pytorch_lightning
-    return pytorch_lightning.__version__
+def _pl() -> Any:
+    """pytorch_lightning, or lightning.pytorch where only the ``lightning`` package is installed."""
+    try:
+        return importlib.import_module("pytorch_lightning")
+    except ImportError:
+        return importlib.import_module("lightning.pytorch")
 
 
 def main(argv: list[str] | None = None) -> int:

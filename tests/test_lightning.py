@@ -40,7 +40,7 @@ def resume_in_new_process(flavour: str, io: str, dirpath, ckpt, out) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flavour, io", [("pytorch_lightning", "snapsvc"), ("lightning.pytorch", "snapsvc"),
-                                         ("pytorch_lightning", "default")])
+                                         (FLAVOURS[0], "default")])
 def test_resume_in_a_new_process_is_bit_identical(tmp_path, flavour, io, no_leaks):
     """4 epochs in one go == 2 epochs, then fit(ckpt_path=epoch 1) to 4 in a new process.
     io="default" is the control: Lightning's own torch.save checkpoints."""
