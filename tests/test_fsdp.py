@@ -145,6 +145,10 @@ def scenario_save(rank: int, world: int, tmp: str) -> dict:
                                        epoch=3, extra={"rank": rank}))
         tp = make_tp((1, world))
         out["save_tp"] = outcome(w.submit(tp, 4))
+        try:   # refused on every rank: its step directory must not stay behind, empty
+            w.submit(model, 5, extra=object())
+        except TypeError as e:
+            out["refused"] = str(e)
     dcp_save(model, opt, os.path.join(tmp, "dcp"))
     train(model, opt, range(4, 6), rank)   # the uninterrupted run
     after = full_state(model, opt)
@@ -212,12 +216,15 @@ def test_save_restore_resume_at_world_size_2(world2):
     tmp, results, _ = world2
     for rank, res in enumerate(results):
         assert res["save"]["ok"] and res["save_tp"]["ok"], res
+        assert res["refused"].startswith("extra must be msgpack-able")
         assert res["dcp_diff"] == []          # the control: DCP round-trips this model
         assert res["restored_diff"] == [], res["restored_diff"]   # params, exp_avg(_sq), step
         assert res["resumed_diff"] == [], res["resumed_diff"]     # 2 more steps, bit-identical
         assert res["report"]["epoch"] == 3 and res["report"]["extra"] == {"rank": rank}
         assert res["report"]["metrics"] == {"loss": 1.5} and res["report"]["missing"] == []
         assert res["report"]["loaded"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert not (tmp / "ckpt" / "step_5").exists()
+    assert snapsvc.latest_checkpoint(tmp / "ckpt") == str(tmp / "ckpt" / "step_4")
 
 
 def test_manifest_records_each_piece_once(world2):
