@@ -8,10 +8,11 @@ Each rank is a spawned process on gloo (CPU) holding its own model of the
 named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
 tensors of 32 KiB), or its shards of one global model (``fsdp<N>M``: N MiB
 global of ``Linear(4096, 4096)`` layers, each ``fully_shard``-ed with FSDP2,
-so each rank holds N / world MiB of DTensor shards). For each model the ranks alternate the two methods,
-``--reps`` times each after one untimed warm-up (which starts the sidecars,
-DCP's checkpoint process and its gloo group, and allocates the staging
-memory), with a barrier before every save so ranks start together:
+so each rank holds N / world MiB of DTensor shards). For each model the ranks
+alternate the two methods, ``--reps`` times each after one untimed warm-up
+(which starts the sidecars, DCP's checkpoint process and its gloo group, and
+allocates the staging memory), with a barrier before every save so ranks
+start together:
 
 * ``snapsvc``: ``DistributedSnapshotWriter.submit(model, step)``: the copy
   into a shared-memory slot (for FSDP2: of each rank's local shards); the
@@ -70,7 +71,7 @@ def build_model(spec: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if spec.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
-        layers = max(1, (int(spec[4:-1]) << 20) // (4096 * 4097 * 4))
+        layers = max(1, round((int(spec[4:-1]) << 20) / (4096 * 4097 * 4)))
         torch.manual_seed(0)   # one global model: the same on every rank
         m = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(layers)))
         for layer in m:

@@ -36,6 +36,15 @@ NCCL and on other threads. Checkpoints are coordinated in submit order, so
 every rank must submit the same steps in the same order; the gathered step
 numbers are compared and a mismatch fails the checkpoint.
 
+Sharded models. When the model's parameters are DTensors (FSDP2,
+tensor parallelism), each rank stages only its local pieces of parameters,
+optimizer state and buffers (a block held by several ranks is written by one
+of them), and the manifest records, per piece, where it lies in the global
+tensor, in the rank file and its CRC-32; :func:`restore_distributed` then
+reshards at any world size, reading only the entries each rank needs, and
+:func:`consolidate` writes the whole model as one ``.fdl``. See
+docs/distributed.md, "Sharded models".
+
 Failures. A rank whose write fails (disk error, its sidecar died, its write
 not durable within ``write_timeout``) still joins the exchange and reports
 why: no manifest is written, every rank's handle fails with the same
@@ -53,7 +62,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import functools
 import logging
 import math
 import operator
@@ -61,6 +69,7 @@ import os
 import queue
 import re
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -324,18 +333,15 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
 
 
 # -- sharded tensors (DTensor: FSDP2, tensor parallelism) ------------------------------
-SHARDS_KEY = "snapsvc_shards"   # a sharded rank file's .meta extra: {SHARDS_KEY: records, "extra": user's}
+# A sharded rank file's .meta extra is {SHARDS_KEY: its piece records, "extra": the caller's}.
+SHARDS_KEY = "snapsvc_shards"
 _DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
 
 
-@functools.cache
 def _dtensor_type() -> Any:
-    """``DTensor``, or None on a torch without it (imported lazily: it is a heavy import)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
+    """``DTensor`` if its module is loaded, else None: no tensor can be one then, and a
+    job without DTensors does not pay for importing it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -559,7 +565,7 @@ class _PieceReader:
         return torch.frombuffer(data, dtype=g.dtype).view(shape)
 
     def assemble(self, g: _Global, offsets: list[int], lengths: list[int]) -> torch.Tensor:
-        """The block of ``g`` at ``offsets``/``lengths``, read from the pieces overlapping it only."""
+        """The block of ``g`` at ``offsets``/``lengths``, from the pieces overlapping it only."""
         out = torch.empty(lengths, dtype=g.dtype)
         covered = 0
         for p in g.pieces:

@@ -323,3 +323,41 @@ def test_consolidate_and_cli(world2, tmp_path):
     assert out.read_bytes() == dst.read_bytes()
     assert main(["consolidate", str(tmp_path / "nowhere"), str(tmp_path / "x.fdl")]) == 1
     assert not (tmp_path / "x.fdl").exists()
+
+
+def test_damaged_manifest_or_file_is_refused_before_loading(world2, tmp_path):
+    import msgpack
+    src, _, _ = world2
+    step = tmp_path / "step_3"
+    shutil.copytree(src / "ckpt" / "step_3", step)
+    raw = msgpack.unpackb((step / MANIFEST_NAME).read_bytes())
+    raw["ranks"][1]["entries"] = [e for e in raw["ranks"][1]["entries"] if e["name"] != "0.bias"]
+    (step / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    model = make_plain(9)
+    before = local_state(model)
+    with pytest.raises(snapsvc.FormatError, match="cover 8 of the 16 elements") as ei:
+        snapsvc.restore_distributed(step, model)
+    assert ei.value.entry == "0.bias"
+    raw["ranks"][1]["entries"][0]["offsets"] = [12, 0]   # 8 rows from row 12 of 16
+    (step / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    with pytest.raises(snapsvc.FormatError, match="does not fit"):
+        snapsvc.restore_distributed(step, model)
+    shutil.copy(src / "ckpt" / "step_3" / MANIFEST_NAME, step / MANIFEST_NAME)
+    with open(step / "rank1.fdl", "r+b") as f:
+        f.truncate(os.path.getsize(step / "rank1.fdl") - 1)
+    with pytest.raises(snapsvc.FormatError, match="bytes, the manifest says"):
+        snapsvc.restore_distributed(step, model)
+    assert diff(local_state(model), before) == []
+    with pytest.raises(ValueError, match="not saved from a sharded model"):
+        _consolidate_plain(tmp_path)
+
+
+def _consolidate_plain(tmp_path) -> None:
+    """consolidate() of a checkpoint of plain tensors (a manifest without ``sharded``)."""
+    from snapsvc.distributed import Manifest, RankFile, _write_manifest
+    step = tmp_path / "plain" / "step_1"
+    step.mkdir(parents=True)
+    snapsvc.save_checkpoint(step / "rank0.fdl", make_plain(0))
+    _write_manifest(str(step), Manifest(step=1, world_size=1,
+                                        ranks=[RankFile(0, "rank0.fdl", 0, 0)]))
+    snapsvc.distributed.consolidate(step, tmp_path / "plain.fdl")
