@@ -356,7 +356,7 @@ def _placement_text(p: Any, name: str) -> str:
         return f"S{p.dim}"
     if type(p) is Replicate:
         return "R"
-    raise ValueError(f"{name!r}: placement {p} cannot be checkpointed by snapsvc (Shard(dim) and "
+    raise ValueError(f"{name!r}: placement {p!r} cannot be checkpointed by snapsvc (Shard(dim) and "
                      "Replicate() can); redistribute the tensor, or full_tensor() it, first")
 
 

@@ -110,6 +110,15 @@ def make_tp(mesh_shape: tuple[int, ...], seed: int = 5) -> nn.Module:
     return lin
 
 
+def make_partial() -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    m = nn.Module()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m.p = nn.Parameter(DTensor.from_local(torch.ones(3), mesh, [Partial()]))
+    return m
+
+
 def dcp_save(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -149,6 +158,10 @@ def scenario_save(rank: int, world: int, tmp: str) -> dict:
             w.submit(model, 5, extra=object())
         except TypeError as e:
             out["refused"] = str(e)
+        try:   # a pending reduction is no value to save
+            w.submit(make_partial(), 6)
+        except ValueError as e:
+            out["partial"] = str(e)
     dcp_save(model, opt, os.path.join(tmp, "dcp"))
     train(model, opt, range(4, 6), rank)   # the uninterrupted run
     after = full_state(model, opt)
@@ -217,13 +230,14 @@ def test_save_restore_resume_at_world_size_2(world2):
     for rank, res in enumerate(results):
         assert res["save"]["ok"] and res["save_tp"]["ok"], res
         assert res["refused"].startswith("extra must be msgpack-able")
+        assert "'p': placement Partial(sum) cannot be checkpointed" in res["partial"]
         assert res["dcp_diff"] == []          # the control: DCP round-trips this model
         assert res["restored_diff"] == [], res["restored_diff"]   # params, exp_avg(_sq), step
         assert res["resumed_diff"] == [], res["resumed_diff"]     # 2 more steps, bit-identical
         assert res["report"]["epoch"] == 3 and res["report"]["extra"] == {"rank": rank}
         assert res["report"]["metrics"] == {"loss": 1.5} and res["report"]["missing"] == []
         assert res["report"]["loaded"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert not (tmp / "ckpt" / "step_5").exists()
+    assert not (tmp / "ckpt" / "step_5").exists() and not (tmp / "ckpt" / "step_6").exists()
     assert snapsvc.latest_checkpoint(tmp / "ckpt") == str(tmp / "ckpt" / "step_4")
 
 
