@@ -92,6 +92,7 @@ from .errors import (DistributedCheckpointError, FormatError, ShapeMismatchError
 from .meta import Meta, meta_path, read_meta, read_msgpack_file, write_with_meta
 from .resume import optim_path, optimizer_state, optimizer_state_dict, restore
 from .snapshot import ModelSnapshot
+from .state import check_plain
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",
            "Manifest", "RankFile", "MANIFEST_NAME", "consolidate", "latest_checkpoint",
@@ -1001,6 +1002,7 @@ class DistributedSnapshotWriter:
                 if self.compressed:
                     raise ValueError("a sharded model is saved uncompressed, so that each rank "
                                      "can read the byte ranges it needs; use compressed=False")
+                extra = check_plain(extra, "extra")   # before it is wrapped: errors name it
                 snap, item.records, item.sharded = _shard_plan(model, optimizer, self.rank)
                 handle.local = self._writer.submit(snap, handle.file, metrics=metrics,
                                                    epoch=epoch,
