@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import math
 import operator
@@ -350,23 +351,49 @@ def _is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def _placement_text(p: Any, name: str) -> str:
-    """``Shard(d)`` -> ``"S<d>"``, ``Replicate()`` -> ``"R"``; anything else is refused."""
+@dataclass(frozen=True)
+class _Block:
+    """Where this rank's piece of a DTensor of one shape, mesh and placements lies."""
+
+    writes: bool             # False: a replica that a rank at coordinate 0 writes
+    offsets: list[int]       # in the global tensor, padding excluded
+    lengths: list[int]
+    mesh: list[int]
+    placements: list[str]    # "S<dim>", "R"
+
+
+@functools.lru_cache(maxsize=1 << 12)   # per submit, thousands of tensors share a few specs
+def _block(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> _Block | None:
+    """This rank's block of a DTensor; None when the mesh excludes this rank.
+
+    The lengths exclude FSDP2's padding of uneven shards, as ``to_local()``
+    does. Placements other than ``Shard(dim)`` and ``Replicate()`` are refused.
+    """
     from torch.distributed.tensor import Replicate, Shard
-    if type(p) is Shard:   # not _StridedShard (FSDP2 over TP): its piece is not one block
-        return f"S{p.dim}"
-    if type(p) is Replicate:
-        return "R"
-    raise ValueError(f"{name!r}: placement {p!r} cannot be checkpointed by snapsvc (Shard(dim) and "
-                     "Replicate() can); redistribute the tensor, or full_tensor() it, first")
-
-
-def _local_region(t: Any) -> tuple[list[int], list[int]]:
-    """(lengths, global offsets) of the block of ``t``'s global tensor this rank holds,
-    padding excluded (FSDP2 pads uneven shards; ``to_local()`` does not show the padding)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    lengths, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return list(lengths), list(offsets)
+    texts = []
+    for p in placements:
+        if type(p) is Shard:   # not _StridedShard (FSDP2 over TP): its piece is not one block
+            texts.append(f"S{p.dim}")
+        elif type(p) is Replicate:
+            texts.append("R")
+        else:
+            raise ValueError(f"placement {p!r} cannot be checkpointed by snapsvc (Shard(dim) and "
+                             "Replicate() can); redistribute the tensor, or full_tensor() it, "
+                             "first")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return _Block(not any(c != 0 and p == "R" for c, p in zip(coord, texts)),
+                  [int(o) for o in offsets], [int(n) for n in lengths], list(mesh.shape), texts)
+
+
+def _block_of(t: Any, name: str) -> _Block | None:
+    try:
+        return _block(t.shape, t.device_mesh, tuple(t.placements))
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}") from None
 
 
 def _piece(name: str, kind: str, t: torch.Tensor, rank: int
@@ -379,36 +406,30 @@ def _piece(name: str, kind: str, t: torch.Tensor, rank: int
     """
     shape = list(t.shape)
     if _is_dtensor(t):
-        mesh = t.device_mesh
-        coord = mesh.get_coordinate()
-        if coord is None:       # this rank is not in the tensor's mesh
+        b = _block_of(t, name)
+        if b is None or not b.writes:
             return None
-        placements = [_placement_text(p, name) for p in t.placements]
-        if any(c != 0 and p == "R" for c, p in zip(coord, placements)):
-            return None
-        lengths, offsets = _local_region(t)
-        with torch.no_grad():
-            local = t.to_local()
-        if list(local.shape) != lengths:
+        local = t.to_local()   # under _shard_plan's no_grad: no autograd view
+        if list(local.shape) != b.lengths:
             raise ValueError(f"{name!r}: local shard has shape {list(local.shape)}, its placements "
-                             f"{placements} on mesh {list(mesh.shape)} give {lengths}")
-        where = {"mesh": list(mesh.shape), "placements": placements}
+                             f"{b.placements} on mesh {b.mesh} give {b.lengths}")
+        offsets, lengths, mesh, placements = b.offsets, b.lengths, b.mesh, b.placements
     else:
         if rank != 0:
             return None
-        local, lengths, offsets = t.detach(), shape, [0] * len(shape)
-        where = {"mesh": None, "placements": None}
+        local, offsets, lengths, mesh, placements = t.detach(), [0] * len(shape), shape, None, None
     if math.prod(lengths) == 0 and math.prod(shape) != 0:
         return None             # an empty shard (more ranks than rows): nothing to write
     return local, {"name": name, "kind": kind, "shape": shape,
-                   "dtype": str(t.dtype).removeprefix("torch."), **where,
-                   "offsets": [int(o) for o in offsets], "lengths": [int(n) for n in lengths]}
+                   "dtype": str(t.dtype).removeprefix("torch."), "mesh": mesh,
+                   "placements": placements, "offsets": offsets, "lengths": lengths}
 
 
 def _is_sharded(model: nn.Module) -> bool:
     return _dtensor_type() is not None and any(_is_dtensor(p) for p in model.parameters())
 
 
+@torch.no_grad()
 def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
                 ) -> tuple[ModelSnapshot, list[dict[str, Any]], dict[str, Any]]:
     """What this rank stages: its pieces of parameters, optimizer state and buffers as a
@@ -593,10 +614,8 @@ def _region(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     all of a plain tensor; None for a DTensor whose mesh excludes this rank."""
     if not _is_dtensor(t):
         return [0] * t.dim(), list(t.shape)
-    if t.device_mesh.get_coordinate() is None:
-        return None
-    lengths, offsets = _local_region(t)
-    return offsets, lengths
+    b = _block_of(t, "")
+    return None if b is None else (b.offsets, b.lengths)
 
 
 def _user_extra(extra: Any) -> Any:
