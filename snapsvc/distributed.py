@@ -786,7 +786,7 @@ def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None =
         pass
 
 
-_MSG_MAX = 16 << 10  # bytes of msgpack per rank per exchange (errors are cut to fit)
+_MSG_MAX = 16 << 10  # bytes of msgpack in the commit-decision broadcast (reasons are cut to fit)
 
 
 def _to_tensor(obj: Any) -> torch.Tensor:
