@@ -536,6 +536,24 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
 
 
+def _consolidate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("step_dir", metavar="STEP_DIR",
+                   help="a complete step_<N> directory saved from a sharded (FSDP2/DTensor) model")
+    p.add_argument("dst", metavar="DST", help="the .fdl or .fdl.gz to write")
+
+
+@register("consolidate", help="merge a sharded multi-rank checkpoint into one .fdl",
+          description="Write the full, unsharded model of a sharded checkpoint (STEP_DIR, "
+          "written by DistributedSnapshotWriter from FSDP2/DTensor parameters) to DST under the "
+          "model's own names, with DST.meta and, when the optimizer was saved, its .optim.fdl "
+          "beside it. Every piece is checked against the manifest's CRC-32 first; DST is "
+          "written atomically. Prints DST.", arguments=_consolidate_arguments)
+def _consolidate(args: argparse.Namespace) -> int:
+    from .distributed import consolidate  # torch.distributed only when needed
+    print(consolidate(args.step_dir, args.dst))
+    return EXIT_OK
+
+
 @register("demo", help="train a small CPU model with sidecar checkpoints, then restore",
           description="Train a small MLP on synthetic data on the CPU, checkpoint model, "
           "optimizer and step through the writer sidecar every --every steps into --dir, "

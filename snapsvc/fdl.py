@@ -124,6 +124,11 @@ class Entry:
     offset: int                     # stream offset of the entry's name length
     tensor: torch.Tensor | None
 
+    @property
+    def data_offset(self) -> int:
+        """Stream offset of the entry's data: past name length, name, ndim, shape, tag, count."""
+        return self.offset + _MIN_ENTRY + len(self.name.encode("utf-8")) + 8 * len(self.shape)
+
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy).
