@@ -82,6 +82,7 @@ import peers  # noqa: E402
 import snapsvc  # noqa: E402
 from snapsvc import staging  # noqa: E402
 from snapsvc.checkpoint import write_checkpoint_file  # noqa: E402
+from snapsvc.fdl import _byte_view  # noqa: E402
 from snapsvc.snapshot import model_sources  # noqa: E402
 from snapsvc.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
 
@@ -290,7 +291,7 @@ def raw_write(flat: torch.Tensor, directory: str) -> float:
 
     Returns the seconds from open to fsync done; the file is then removed."""
     path = os.path.join(directory, "raw-write.bin")
-    view = memoryview(flat.numpy()).cast("B")
+    view = _byte_view(flat)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -447,7 +448,7 @@ def writer_worker(args: argparse.Namespace) -> dict[str, Any]:
     torch._foreach_copy_(views, [t for _, t in params + buffers])
     slot = [(s.name, v) for s, v in zip(layout.specs, views)]  # what the sidecar encodes
     nbytes = model_bytes(model)
-    sample = memoryview(flat.numpy()).cast("B")[:min(len(flat), 32 << 20)]
+    sample = _byte_view(flat)[:min(flat.numel(), 32 << 20)]
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="snapsvc-writer-") as d:
         def add(op: str, fn: Callable[[], Any], size: int) -> None:
