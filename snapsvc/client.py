@@ -181,7 +181,12 @@ class SnapshotWriter:
     the copy is enqueued (see :mod:`snapsvc.copier`); pair it with
     :meth:`guard`. The WRITE message then leaves after the copy, so a trainer
     SIGKILLed in that window loses that snapshot, which blocking mode never
-    does. ``nice``: added to the sidecar's nice value. ``fault_hook``: for
+    does. ``incremental``: a model's submit copies into a slot only the
+    tensors changed since that slot last held them (``_version`` and storage
+    pointer); opt-in, because a write through ``p.data`` does not bump
+    ``_version`` and is missed; ``"check"`` verifies every skipped tensor and
+    logs any such miss (see :mod:`snapsvc.copier`). ``stats()["staged_bytes"]``
+    counts what was copied. ``nice``: added to the sidecar's nice value. ``fault_hook``: for
     tests, a picklable ``hook(stage, path)`` run inside the sidecar (see
     :func:`snapsvc.durable.set_fault_hook`).
 
@@ -192,7 +197,8 @@ class SnapshotWriter:
                  policy: str = "block", keep_last: int | None = None,
                  compress_level: int | None = None, start_method: str = "spawn",
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
-                 overlap: bool = False, nice: int = 10, max_slot_bytes: int | None = None,
+                 overlap: bool = False, incremental: bool | str = False, nice: int = 10,
+                 max_slot_bytes: int | None = None,
                  fault_hook: Callable[[str, str], None] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -204,6 +210,8 @@ class SnapshotWriter:
             raise ValueError(f"compress_level must be 0..3 (isal's levels), got {compress_level}")
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be 0..19, got {nice}")
+        if incremental not in (False, True, "check"):
+            raise ValueError(f"incremental must be False, True or 'check', got {incremental!r}")
         if max_slot_bytes is not None and max_slot_bytes < 1:
             raise ValueError(f"max_slot_bytes must be >= 1 or None, got {max_slot_bytes}")
         self.directory = os.path.abspath(directory) if directory is not None else None
@@ -220,7 +228,7 @@ class SnapshotWriter:
         self._sidecar = Sidecar(tmp.get_context(start_method), options, self._on_report,
                                 self._on_exit)
         self._pools = SlotPools(slots, max_slot_bytes)
-        self._copier = Copier(overlap)
+        self._copier = Copier(overlap, incremental)
         self._pending: dict[int, _Pending] = {}
         self._dirs: set[str] = set()
         self._seq = 0
@@ -229,7 +237,7 @@ class SnapshotWriter:
         self._closing = False
         self._closed = False
         self._counts = {"submitted": 0, "written": 0, "skipped": 0, "failed": 0,
-                        "broken": 0, "restarts": 0, "bytes": 0}
+                        "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0}
         self._stalls: deque[float] = deque(maxlen=10_000)
 
     # -- lifecycle -------------------------------------------------------------
@@ -363,7 +371,7 @@ class SnapshotWriter:
         self._ensure_running()
         with self._cond:
             self._check_open()
-            pool, gone, sources = self._pool(what)
+            pool, gone, sources, planned = self._pool(what)
             pool.users += 1  # not trimmed while this submit uses it
             self._active += 1
             self._counts["submitted"] += 1
@@ -372,7 +380,7 @@ class SnapshotWriter:
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
             body = _pack_body(path, pool[0].buffer_bytes, epoch=epoch, metrics=metrics,
                               extra=extra, optim=what.optim, state=what.tree)
-            return self._stage_and_queue(pool, sources, path, body, started, timeout)
+            return self._stage_and_queue(pool, sources, planned, path, body, started, timeout)
         finally:
             with self._cond:
                 self._active -= 1
@@ -404,27 +412,28 @@ class SnapshotWriter:
         raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "
                         f"not {type(obj).__name__}")
 
-    def _pool(self, what: _What) -> tuple[Pool, list[Slot], list[torch.Tensor]]:
-        """(pool, slots released as idle, copy sources) for ``what`` (cond held).
+    def _pool(self, what: _What) -> tuple[Pool, list[Slot], list[torch.Tensor], bool]:
+        """(pool, slots released as idle, copy sources, whether they are a model's
+        cached plan) for ``what`` (cond held).
 
         A model's plan is looked up and made here, under the lock, so two
         threads submitting the same model share one plan and one pool.
         """
         if what.model is None:
             pool, gone = self._pools.pool(what.key, what.layout, what.pin)
-            return pool, gone, what.sources
+            return pool, gone, what.sources, False
         plan = self._pools.plan(what.model, what.walked)
         if plan is not None:
-            return plan.pool, self._pools.use(plan.pool), plan.sources
+            return plan.pool, self._pools.use(plan.pool), plan.sources, True
         params = list(what.model.named_parameters())
         full = _what(params, list(persistent_buffers(what.model)))
         pool, gone = self._pools.pool(full.key, full.layout, full.pin)
         self._pools.remember(what.model, Plan(
             what.walked, full.sources, [t.shape for t in full.sources],
             [t.dtype for t in full.sources], [t.device for t in full.sources], pool))
-        return pool, gone, full.sources
+        return pool, gone, full.sources, True
 
-    def _stage_and_queue(self, pool: Pool, sources: list[torch.Tensor], path: str,
+    def _stage_and_queue(self, pool: Pool, sources: list[torch.Tensor], planned: bool, path: str,
                          body: bytes, started: float, timeout: float | None) -> WriteHandle:
         self._register(pool, timeout)
         slot = self._acquire(pool, timeout)
@@ -432,12 +441,13 @@ class SnapshotWriter:
             return self._skipped(path, started)
         try:
             slot.copying = self.overlap
-            rest = self._copier.stage(slot, sources)
+            rest, copied = self._copier.stage(slot, sources, planned)
         except BaseException:
             self._free(slot)
             raise
         stage_s = time.monotonic() - started
         with self._cond:
+            self._counts["staged_bytes"] += copied
             self._stalls.append(stage_s)
             if self._broken is not None:  # died while we copied: nobody would resolve it
                 slot.seq = None

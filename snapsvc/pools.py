@@ -50,6 +50,10 @@ class Slot:
         early = (staging.BUFFER, staging.STATE)
         self.early = [i for i, s in enumerate(layout.specs) if s.kind in early]
         self.late = [i for i, s in enumerate(layout.specs) if s.kind not in early]
+        self.early_set = frozenset(self.early)
+        self.data_bytes = sum(s.nbytes for s in layout.specs)
+        # incremental mode: (sources, storage pointers, _versions) of the last copy
+        self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         # what the buffer names add to a metadata file (client._pack_body's room)
         self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
                                 if s.kind == staging.BUFFER)
