@@ -26,9 +26,9 @@ import msgpack
 import torch
 from torch import nn
 
-from .checkpoint import LoadReport, load_into, read_checkpoint
+from .checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from .errors import FormatError
-from .meta import read_meta
+from .meta import Meta, read_meta
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "check_extra", "restore"]
 
@@ -123,6 +123,25 @@ def check_extra(extra: Any) -> Any:
     return extra
 
 
+def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
+    """``path`` checked against ``meta`` while read, its entries views of one
+    buffer for copying into ``model`` (page-locked when ``model`` is on CUDA)."""
+    return read_verified(path, meta.size, meta.crc32, shared_buffer=True,
+                         pin_memory=_on_cuda(model))
+
+
+def _read_optim_file(path: str, meta: Meta) -> Checkpoint:
+    """The optimizer file beside ``path``, checked against ``meta.optimizer``
+    while read; its tensors are the optimizer's new state, so each is its own."""
+    opath = optim_path(path)
+    info = meta.optimizer or {}
+    return read_verified(opath, info.get("size"), info.get("crc32"))
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    return any(t.is_cuda for _, t in model_tensors(model))
+
+
 def restore(path: str | os.PathLike[str], model: nn.Module,
             optimizer: torch.optim.Optimizer | None = None, *, strict: bool = False
             ) -> LoadReport:
@@ -131,18 +150,18 @@ def restore(path: str | os.PathLike[str], model: nn.Module,
     Loads the model (flodl's rules), the optimizer's state when ``optimizer``
     is given, and returns a :class:`LoadReport` whose ``epoch``, ``metrics``
     and ``extra`` come from the metadata. Everything is read and checked
-    before the model or optimizer changes.
+    (including each file's size and CRC-32 against the metadata) before the
+    model or optimizer changes.
     """
     path = os.fspath(path)
     meta = read_meta(path)
-    ckpt = read_checkpoint(path)
+    ckpt = _read_model_file(path, meta, model)
     optim_sd = None
     if optimizer is not None:
         if not meta.optimizer:
             raise FormatError("no optimizer state was saved with this checkpoint "
                               "(submit(..., optimizer=opt) saves it)", path=path)
-        optim_sd = optimizer_state_dict(optimizer, model,
-                                        read_checkpoint(optim_path(path)).entries,
+        optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
     report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
     if optim_sd is not None:
