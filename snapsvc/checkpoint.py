@@ -403,10 +403,11 @@ def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike =
             f"{report.missing[:5]}; pass strict=False to load the overlap")
     with torch.no_grad():  # in place: optimizers keep their references
         for name in report.loaded:
+            target = targets[name]
             # from pinned memory (read_verified(pin_memory=True)) a copy to CUDA is async DMA
-            targets[name].copy_(ckpt.entries[name], non_blocking=True)
+            target.copy_(ckpt.entries[name], non_blocking=target.is_cuda)
     # Done before returning: the source may be a buffer freed with ``ckpt``.
-    for device in {t.device for t in targets.values() if t.device.type == "cuda"}:
+    for device in {targets[name].device for name in report.loaded if targets[name].is_cuda}:
         torch.cuda.current_stream(device).synchronize()
     return report
 
