@@ -14,7 +14,8 @@ show up as ``skipped`` in every load report and make ``strict`` loads fail;
 a separate ``.fdl`` keeps the model file byte-identical to one written
 without an optimizer while still reusing the same codec, checks and tools.
 The files are committed in the order model, optimizer, metadata, so the
-metadata (written last) vouches for both.
+metadata (written last) vouches for both: :func:`restore` checks each file's
+size and CRC-32 against it while reading.
 """
 
 from __future__ import annotations

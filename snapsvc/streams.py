@@ -129,9 +129,10 @@ class MemoryReader(io.RawIOBase):
         return data
 
     def readinto(self, b) -> int:  # type: ignore[override]
-        data = self._view[self._pos:self._pos + len(b)]
+        out = memoryview(b).cast("B")
+        data = self._view[self._pos:self._pos + len(out)]
         n = len(data)
-        memoryview(b).cast("B")[:n] = data
+        out[:n] = data
         self._pos += n
         return n
 
