@@ -1,7 +1,8 @@
 """Codec benchmark: snapsvc ``.fdl`` against torch.save, restore, and a gzip level table.
 
     python benchmarks/codec.py [--mib 256] [--repeat 3] [--restore-repeat 9]
-        [--sections files restore levels] [--compare-with DIR] [--dir DIR] [--json out.json]
+        [--sections files restore levels] [--compare-with DIR] [--threads N] [--dir DIR]
+        [--json out.json]
 
 One run, one set of tensors (16 MiB float32 normal matrices totalling --mib
 MiB, plus a few small bias/BatchNorm tensors), measured side by side:
@@ -101,9 +102,13 @@ class FileRow:
 class RestoreRow:
     op: str
     time: Stat
-    vs_raw: float           # median over the median of a raw readinto (fresh buffer)
+    cpu_s: list[float]       # process CPU seconds (user + system, all threads) of each run
+    cpu_median_s: float
+    vs_raw: float            # median over the median of a raw readinto (fresh buffer)
     vs_raw_populated: float  # ... of a raw readinto into restore's own kind of buffer
-    vs_torch: float         # ... of torch.load(weights_only=True) + load_state_dict
+    vs_torch: float          # ... of torch.load(weights_only=True) + load_state_dict
+    cpu_vs_raw: float        # the same ratios of median CPU seconds
+    cpu_vs_torch: float
 
 
 @dataclass
@@ -245,16 +250,22 @@ def load_baseline(directory: Path) -> ModuleType:
     return module
 
 
-def rounds(ops: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
-    """One untimed warm-up round, then ``repeat`` rounds of every op in turn."""
-    times: dict[str, list[float]] = {name: [] for name in ops}
+def rounds(ops: dict[str, Callable[[], object]], repeat: int
+           ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One untimed warm-up round, then ``repeat`` rounds of every op in turn:
+    (wall seconds, process CPU seconds) of each op's runs. CPU time shows what
+    an op costs even when other processes share the cores (wall time then
+    includes waiting for one)."""
+    wall: dict[str, list[float]] = {name: [] for name in ops}
+    cpu: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(repeat + 1):
         for name, fn in ops.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             if r:
-                times[name].append(time.perf_counter() - t0)
-    return times
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return wall, cpu
 
 
 def read_whole(path: Path, view: memoryview) -> None:
@@ -300,15 +311,17 @@ def bench_restore(tensors: Tensors, directory: Path, repeat: int,
     if baseline is not None:
         ops["baseline restore .fdl"] = lambda: baseline.restore(fdl, model)
     ops["snapsvc.restore .fdl.gz"] = lambda: snapsvc.restore(gz, model)
-    times = rounds(ops, repeat)
+    times, cpu = rounds(ops, repeat)
     check_same("restore", dict(sorted(model.state_dict().items())), dict(sorted(tensors.items())))
 
     nbytes = fdl.stat().st_size
     med = {name: statistics.median(runs) for name, runs in times.items()}
-    return [RestoreRow(name, stat(nbytes, runs),
-                       med[name] / med["raw readinto, fresh buffer"],
-                       med[name] / med["raw readinto, populated buffer"],
-                       med[name] / med["torch.load + load_state_dict"])
+    cmed = {name: statistics.median(runs) for name, runs in cpu.items()}
+    raw, pop, ref = ("raw readinto, fresh buffer", "raw readinto, populated buffer",
+                     "torch.load + load_state_dict")
+    return [RestoreRow(name, stat(nbytes, runs), cpu[name], cmed[name],
+                       med[name] / med[raw], med[name] / med[pop], med[name] / med[ref],
+                       cmed[name] / cmed[raw], cmed[name] / cmed[ref])
             for name, runs in times.items()]
 
 
@@ -356,15 +369,15 @@ def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[
                   f" {t.min_s:>7.3f} {t.mbps_median:>9.0f} {t.mbps_best:>9.0f}")
     if restores:
         runs = len(restores[0].time.runs_s)
-        print(f"\nrestore into a warm model, warm page cache ({runs} rounds; x = median over the "
-              "median of: raw fresh, raw populated, torch)")
-        print(f"{'op':<31} {'med ms':>7} {'min ms':>7} {'MB/s med':>9}"
-              f" {'x raw':>6} {'x pop':>6} {'x torch':>7}")
+        print(f"\nrestore into a warm model, warm page cache ({runs} rounds, medians; x = over "
+              "raw fresh, raw populated, torch; cpu = process CPU time)")
+        print(f"{'op':<31} {'wall ms':>7} {'min ms':>7} {'cpu ms':>7}"
+              f" {'x raw':>6} {'x pop':>6} {'x torch':>7} {'cpu x raw':>9} {'cpu x torch':>11}")
         for r in restores:
             t = r.time
             print(f"{r.op:<31} {t.median_s * 1e3:>7.1f} {t.min_s * 1e3:>7.1f}"
-                  f" {t.mbps_median:>9.0f} {r.vs_raw:>6.2f} {r.vs_raw_populated:>6.2f}"
-                  f" {r.vs_torch:>7.2f}")
+                  f" {r.cpu_median_s * 1e3:>7.1f} {r.vs_raw:>6.2f} {r.vs_raw_populated:>6.2f}"
+                  f" {r.vs_torch:>7.2f} {r.cpu_vs_raw:>9.2f} {r.cpu_vs_torch:>11.2f}")
     if not codecs:
         return
     print("\ngzip levels in memory (MB/s of uncompressed data)")
@@ -388,11 +401,15 @@ def main() -> None:
                     help="what to run (default: all)")
     ap.add_argument("--compare-with", type=Path, metavar="DIR",
                     help="also time restore of the snapsvc package in DIR, in the same rounds")
+    ap.add_argument("--threads", type=int,
+                    help="torch.set_num_threads before measuring (default: torch's choice)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = ap.parse_args()
     if args.mib < 1 or args.repeat < 1 or args.restore_repeat < 1:
         ap.error("--mib, --repeat and --restore-repeat must be at least 1")
     baseline = load_baseline(args.compare_with) if args.compare_with else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     fresh = fresh_allocations()
     tensors = make_tensors(args.mib)
