@@ -1,8 +1,8 @@
 """Codec benchmark: snapsvc ``.fdl`` against torch.save, restore, and a gzip level table.
 
     python benchmarks/codec.py [--mib 256] [--repeat 3] [--restore-repeat 9]
-        [--sections files restore levels] [--compare-with DIR] [--threads N] [--dir DIR]
-        [--json out.json]
+        [--sections files restore levels] [--compare-with DIR] [--device cuda]
+        [--threads N] [--dir DIR] [--json out.json]
 
 One run, one set of tensors (16 MiB float32 normal matrices totalling --mib
 MiB, plus a few small bias/BatchNorm tensors), measured side by side:
@@ -24,7 +24,9 @@ MiB, plus a few small bias/BatchNorm tensors), measured side by side:
   --restore-repeat rounds after one warm-up round, so drifting load on a
   shared machine hits them alike; the table gives medians and ratios.
   ``--compare-with DIR`` also times ``restore`` of the snapsvc package in
-  DIR (e.g. an export of an older commit) in the same rounds.
+  DIR (e.g. an export of an older commit) in the same rounds. ``--device
+  cuda`` restores into a model on the GPU (through pinned memory; torch's
+  load_state_dict copies from pageable memory); raw reads stay host reads.
 * gzip levels, in memory: isal levels 0-3 (isal.igzip.compress, the deflate
   engine behind snapsvc.streams.gzip_writer) and Python's zlib at level 6,
   both producing gzip, on the float32 data of the tensors above and on an
@@ -288,9 +290,14 @@ def raw_populated(path: Path) -> None:
     read_whole(path, view)
 
 
+def synced(fn: Callable[[], object], device: str) -> None:
+    fn()
+    torch.cuda.synchronize(device)
+
+
 def bench_restore(tensors: Tensors, directory: Path, repeat: int,
-                  baseline: ModuleType | None) -> list[RestoreRow]:
-    model = make_model(tensors)
+                  baseline: ModuleType | None, device: str) -> list[RestoreRow]:
+    model = make_model(tensors).to(device)
     with snapsvc.SnapshotWriter(directory) as w:
         w.submit(model, "r.fdl").result(timeout=600)
         w.submit(model, "r.fdl.gz").result(timeout=600)
@@ -311,8 +318,11 @@ def bench_restore(tensors: Tensors, directory: Path, repeat: int,
     if baseline is not None:
         ops["baseline restore .fdl"] = lambda: baseline.restore(fdl, model)
     ops["snapsvc.restore .fdl.gz"] = lambda: snapsvc.restore(gz, model)
+    if device != "cpu":  # each op ends when its copies to the device have
+        ops = {name: partial(synced, fn, device) for name, fn in ops.items()}
     times, cpu = rounds(ops, repeat)
-    check_same("restore", dict(sorted(model.state_dict().items())), dict(sorted(tensors.items())))
+    check_same("restore", {k: v.cpu() for k, v in sorted(model.state_dict().items())},
+               dict(sorted(tensors.items())))
 
     nbytes = fdl.stat().st_size
     med = {name: statistics.median(runs) for name, runs in times.items()}
@@ -401,6 +411,9 @@ def main() -> None:
                     help="what to run (default: all)")
     ap.add_argument("--compare-with", type=Path, metavar="DIR",
                     help="also time restore of the snapsvc package in DIR, in the same rounds")
+    ap.add_argument("--device", default="cpu",
+                    help="where the restored model lives, e.g. cuda (default cpu): restore "
+                         "then reads through pinned memory")
     ap.add_argument("--threads", type=int,
                     help="torch.set_num_threads before measuring (default: torch's choice)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
@@ -420,13 +433,14 @@ def main() -> None:
         if "files" in args.sections:
             files = bench_files(tensors, Path(tmp), args.repeat)
         if "restore" in args.sections:
-            restores = bench_restore(tensors, Path(tmp), args.restore_repeat, baseline)
+            restores = bench_restore(tensors, Path(tmp), args.restore_repeat, baseline,
+                                     args.device)
     codecs = bench_levels(tensors, args.repeat) if "levels" in args.sections else []
     header = [
         f"snapsvc codec benchmark: {len(tensors)} tensors, "
         f"{data_bytes(tensors) / 1e6:.1f} MB of data, {args.repeat} runs each",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}, restore into a model on {args.device}"
         + (f", baseline: snapsvc from {args.compare_with.resolve()}" if baseline else ""),
         f"python {platform.python_version()}, torch {torch.__version__}, isal {isal.__version__}, "
         f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "

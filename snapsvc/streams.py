@@ -67,6 +67,9 @@ def gzip_writer(raw: BinaryIO, level: int | None = None) -> Iterator[BinaryIO]:
 
 
 _CRC_PIECE = 4 << 20  # checksum each read while it is still in cache
+# For headers and small tensors: a read of more goes straight to the file. Also
+# small enough to come from the heap, not a fresh mmap that faults on first touch.
+_SMALL_BUFFER = 64 << 10
 
 
 class CrcReader(io.RawIOBase):
@@ -96,7 +99,7 @@ class CrcReader(io.RawIOBase):
     def drain(self) -> None:
         """Read ``raw`` to its end, so ``size`` and ``crc32`` cover all of it
         (a buffered reader above may have stopped short, or a decoder failed)."""
-        scratch = memoryview(bytearray(1 << 20))
+        scratch = memoryview(bytearray(_SMALL_BUFFER))  # usually there is nothing left
         while self.readinto(scratch):
             pass
 
@@ -229,7 +232,7 @@ def open_source(src: PathOrFile, *, checksum: bool = False) -> Iterator[Source]:
         if checksum:
             with open(path, "rb", buffering=0) as raw:
                 tap = CrcReader(raw)
-                yield _path_source(io.BufferedReader(tap, 1 << 20), path,
+                yield _path_source(io.BufferedReader(tap, _SMALL_BUFFER), path,
                                    os.fstat(raw.fileno()).st_size, tap)
         else:
             with open(path, "rb") as f:
