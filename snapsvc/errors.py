@@ -12,13 +12,16 @@ __all__ = [
     "SnapsvcError",
     "FormatError",
     "EncodeError",
+    "UnsupportedStateError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
     "BrokenWriterError",
+    "SlotBudgetError",
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
+    "PathError",
 ]
 
 
@@ -53,6 +56,19 @@ class EncodeError(SnapsvcError, ValueError):
     """A tensor or name cannot be written in the ``.fdl`` format."""
 
 
+class UnsupportedStateError(SnapsvcError, TypeError):
+    """A value of a submitted state is of a kind snapsvc does not store.
+
+    ``path`` is where it sits in the state (``state['opt']['state'][0]``).
+    Nothing is pickled, so anything beyond tensors, modules, optimizers,
+    stateful objects, containers and plain scalars is refused at submit.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class ArchitectureMismatchError(SnapsvcError, ValueError):
     """The file's structural hash differs from the model's."""
 
@@ -75,6 +91,10 @@ class BrokenWriterError(SnapsvcError, RuntimeError):
     exit code or the signal. With ``restart=True`` the next submit starts a
     new sidecar.
     """
+
+
+class SlotBudgetError(SnapsvcError, ValueError):
+    """A snapshot's slots do not fit in the writer's ``max_slot_bytes``."""
 
 
 class WriteFailedError(SnapsvcError, OSError):
@@ -108,3 +128,8 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
         super().__init__(message)
         self.saved = saved
         self.current = current
+
+
+class PathError(SnapsvcError, ValueError):
+    """A checkpoint path that cannot be written as given (e.g. a file name longer
+    than the file system allows); raised before anything is written."""
