@@ -262,12 +262,6 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 
 
 # -- restore ----------------------------------------------------------------------
-def _file_crc(path: str) -> tuple[int, int]:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        return size, _crc_of(f, size)
-
-
 def _rank_and_world(process_group: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank(process_group)
@@ -301,9 +295,10 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
 
     Any other checkpoint restores only at the world size that saved it
     (``dist.get_world_size(process_group)``, 1 when torch.distributed is not
-    initialized; else :class:`WorldSizeMismatchError`): this rank's file (and
-    optimizer file) must have the recorded size and, with ``verify``, CRC-32,
-    then :func:`snapsvc.restore` loads it.
+    initialized; else :class:`WorldSizeMismatchError`): this rank's metadata
+    must record the size and CRC-32 the manifest committed, and
+    :func:`snapsvc.restore` loads the file, checking both while it reads
+    (always: ``verify`` applies to the sharded path's ranged reads).
     """
     m = read_manifest(path)
     rank, world = _rank_and_world(process_group)
@@ -317,19 +312,19 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
             saved=m.world_size, current=world)
     entry = m.ranks[rank]
     file = os.path.join(m.path, entry.file)
-    checks = [(file, entry.size, entry.crc32)]
+    # restore() reads each file once, checking it against its .meta; the .meta
+    # must record what the manifest committed, so the file is the committed one.
+    meta = read_meta(file)
+    records = [(file, (meta.size, meta.crc32), (entry.size, entry.crc32))]
     if optimizer is not None and entry.optim is not None:
-        checks.append((os.path.join(m.path, entry.optim["file"]), entry.optim["size"],
-                       entry.optim["crc32"]))
-    for p, size, crc in checks:
-        if verify:
-            actual_size, actual_crc = _file_crc(p)
-        else:
-            actual_size, actual_crc = os.stat(p).st_size, crc
-        if actual_size != size:
-            raise FormatError(f"{actual_size} bytes, the manifest says {size}", path=p)
-        if actual_crc != crc:
-            raise FormatError(f"CRC-32 {actual_crc:08x}, the manifest says {crc:08x}: the file "
+        saved = meta.optimizer or {}
+        records.append((os.path.join(m.path, entry.optim["file"]),
+                        (saved.get("size"), saved.get("crc32")),
+                        (entry.optim["size"], entry.optim["crc32"])))
+    for p, in_meta, in_manifest in records:
+        if in_meta != in_manifest:
+            raise FormatError(f"its metadata records size {in_meta[0]} and CRC-32 {in_meta[1]}, "
+                              f"the manifest {in_manifest[0]} and {in_manifest[1]}: the file "
                               "changed after the checkpoint was committed", path=p)
     return restore(file, model, optimizer, strict=strict)
 

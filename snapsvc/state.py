@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from . import fdl
-from .checkpoint import LoadReport, layout_hash, persistent_buffers, read_checkpoint
+from .checkpoint import LoadReport, layout_hash, persistent_buffers, read_verified
 from .errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
     StrictLoadError, UnsupportedStateError
 from .meta import read_meta
@@ -343,7 +343,7 @@ def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
     if meta.state is None:
         raise FormatError("not a nested-state checkpoint (it was submitted as a model: "
                           "use restore(path, model) or read_checkpoint)", path=path)
-    entries = read_checkpoint(path).entries
+    entries = read_verified(path, meta.size, meta.crc32).entries
     rebuild = _Rebuild(entries, path, keep_objects)
     tree = rebuild(meta.state)
     unused = [n for n in entries if n not in rebuild.used]

@@ -53,7 +53,7 @@ def test_restore_checks_before_changing_anything(tmp_path, net):
     net(torch.randn(4, 3)).sum().backward()
     opt.step()
     with snapsvc.SnapshotWriter(tmp_path, keep_last=1) as w:
-        w.submit(net, "r.fdl", optimizer=opt, extra={"step": 3}).result(timeout=60)
+        w.submit(net, "r1.fdl", optimizer=opt, extra={"step": 3}).result(timeout=60)
         w.submit(net, "r2.fdl", optimizer=opt).result(timeout=60)
     # keep_last removed the older checkpoint with its optimizer file and metadata
     assert sorted(os.listdir(tmp_path)) == ["r2.fdl", "r2.fdl.meta", "r2.optim.fdl"]

@@ -264,3 +264,21 @@ def test_overlap_mode_state_never_mixes_steps(tmp_path):
         got = snapsvc.load(tmp_path / f"o{i}.fdl")
         for key in ("model", "disc", "opt_g", "opt_d"):
             assert_same(got[key], want[key], f"o{i}[{key}]")
+
+
+def test_a_corrupt_state_file_is_refused_and_nothing_changes(tmp_path):
+    objs = make_gan(0)
+    train(*objs)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(live_state(*objs), "gan.fdl").result(timeout=60)
+    data = bytearray((tmp_path / "gan.fdl").read_bytes())
+    data[-3] ^= 0x01  # a data byte of the last entry
+    (tmp_path / "gan.fdl").write_bytes(data)
+    with pytest.raises(snapsvc.FormatError, match="CRC-32"):
+        snapsvc.load(tmp_path / "gan.fdl")
+    fresh = make_gan(1)
+    target = live_state(*fresh)
+    before = snapshot_values(target)
+    with pytest.raises(snapsvc.FormatError, match="CRC-32"):
+        snapsvc.restore(tmp_path / "gan.fdl", target)
+    assert_same(snapshot_values(target), before)
