@@ -1,0 +1,451 @@
+"""Asynchronous checkpoints for the Hugging Face ``transformers`` Trainer.
+
+:class:`SnapsvcTrainer` is a drop-in ``transformers.Trainer`` (written against
+5.24) whose ``_save_checkpoint`` stages the model, optimizer, scheduler,
+gradient scaler, RNG states (torch, cuda, python, numpy) and trainer state in
+one :meth:`SnapshotWriter.submit` and returns; the writer sidecar writes them.
+
+Layout. A committed ``checkpoint-<step>/`` holds::
+
+    snapsvc_state.fdl        every tensor (model, optimizer, scaler, torch RNG): flodl's format
+    snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
+    trainer_state.json       HF's own file, which train() and HF tools read
+    config.json              the model's config, when it has one
+
+One state file plus HF's JSON files, not HF's layout, because the sidecar
+writes ``.fdl`` files and never pickles: ``optimizer.pt``, ``scheduler.pt``
+and ``rng_state.pth`` are pickles, so HF's layout would mean writing them in
+the training process, which is the stall this class removes. The cost: a
+stock ``Trainer`` cannot resume from these directories (``SnapsvcTrainer``
+resumes from both kinds), and ``from_pretrained`` needs the weights exported
+(``snapsvc.load(path)["model"]``). Python's and numpy's RNG states become
+state-API values (tuples, ints, bytes) and are rebuilt on load.
+
+Completeness. transformers 5.24 has no incomplete-checkpoint marker:
+``get_last_checkpoint`` takes the highest ``checkpoint-<N>`` directory and
+``rotate_checkpoints`` globs ``checkpoint-*``. So a checkpoint is written into
+a hidden ``.snapsvc-checkpoint-<N>`` directory, which neither matches, and a
+committer thread renames it to ``checkpoint-<N>`` only after the sidecar
+reported the state file and its metadata durable and the JSON files and the
+directory were fsynced; then it fsyncs the run directory. A directory still
+being written, or left by a crash, is never under a name HF (or
+``resume_from_checkpoint=True``) picks; leftovers are removed at the next
+save. Because no write ever targets a ``checkpoint-*`` directory, rotation
+(HF's own ``rotate_checkpoints``, run by the committer right after each
+commit with the arguments the stock Trainer would pass) can neither delete a
+pending write nor keep a half-written one.
+
+Errors. A failed write (disk error, dead sidecar) removes its hidden
+directory and raises at the next save, or when training ends, as
+:class:`WriteFailedError` or :class:`BrokenWriterError` naming the
+checkpoint. ``save_model``, the end of training and :meth:`close` wait for
+pending commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
+
+Not covered, each falling back to the stock (synchronous) save with a
+warning: DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``, and runs of
+more than one process (the multi-rank commit of
+:class:`snapsvc.DistributedSnapshotWriter` writes its own ``step_<N>``
+layout from a module and has no hook for HF's directory names).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import set_rng_state_for_device
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.training_args import ParallelMode
+from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+from . import SnapshotWriter, WriteHandle, load
+from .durable import fsync_dir
+from .errors import BrokenWriterError, SnapsvcError, WriteFailedError
+
+__all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
+
+log = logging.getLogger("snapsvc")
+
+STATE_FILE = "snapsvc_state.fdl"
+STAGING_PREFIX = ".snapsvc-"   # + "checkpoint-<N>": hidden from HF's "checkpoint-*" globs
+_CONFIG_FILE = "config.json"
+_live: "weakref.WeakSet[SnapsvcTrainer]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass
+class _Commit:
+    handle: WriteHandle
+    staging: str
+    final: str
+    run_dir: str
+    files: list[str]                    # small files written by the trainer, to fsync
+    rotate: bool
+    save_total_limit: int | None
+    best_model_checkpoint: str | None
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _named(err: BaseException, checkpoint: str) -> SnapsvcError:
+    """``err`` as a snapsvc error whose message names the checkpoint that was lost."""
+    what = f"checkpoint {checkpoint} was not written, so it is not on disk"
+    if isinstance(err, BrokenWriterError):
+        out: SnapsvcError = BrokenWriterError(f"{what}: {err}")
+    elif isinstance(err, OSError):
+        out = WriteFailedError(err.errno or 0, f"{what}: {err.strerror or err}",
+                               err.filename or checkpoint)
+    else:
+        out = WriteFailedError(0, f"{what}: {type(err).__name__}: {err}", checkpoint)
+    out.__cause__ = err
+    return out
+
+
+# -- RNG states as state-API values -------------------------------------------------
+def _rng_state(distributed: bool) -> dict[str, Any]:
+    """torch, cuda, python and numpy RNG states; numpy's key array becomes bytes."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(kind), np.asarray(keys, dtype="<u4").tobytes(), int(pos),
+                  int(has_gauss), float(cached)),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():  # the shape the stock Trainer saves
+        state["cuda"] = (torch.cuda.random.get_rng_state_all() if distributed
+                         else torch.cuda.random.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], distributed: bool) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype="<u4").copy(), pos, has_gauss, cached))
+    torch.random.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        set_rng_state_for_device("CUDA", torch.cuda, state, distributed)
+
+
+class SnapsvcTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints are written by a snapsvc sidecar.
+
+    Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
+    for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
+    ``fault_hook``, ...). The writer (:attr:`snapsvc_writer`) starts at the
+    first save and lives until :meth:`close` or interpreter exit.
+    """
+
+    #: seconds save_model / the end of training / close() wait for pending commits
+    drain_timeout: float = 1800.0
+
+    def __init__(self, *args: Any, snapsvc_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.snapsvc_options = dict(snapsvc_options or {})
+        if "directory" in self.snapsvc_options or "keep_last" in self.snapsvc_options:
+            raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
+                             "come from args.output_dir and rotation from save_total_limit")
+        self.snapsvc_writer: SnapshotWriter | None = None
+        self._snapsvc_commits: "queue.Queue[_Commit | None]" = queue.Queue()
+        self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> commit, until committed or failed
+        self._snapsvc_failed: list[SnapsvcError] = []
+        self._snapsvc_cond = threading.Condition()
+        self._snapsvc_committer: threading.Thread | None = None
+        self._snapsvc_loaded: tuple[str, dict[str, Any]] | None = None
+        self._snapsvc_warned = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _fallback_reason(self) -> str | None:
+        """Why this run uses the stock synchronous save, or None."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "DeepSpeed and FSDP save their own sharded layouts"
+        if is_torch_xla_available() or is_sagemaker_mp_enabled():
+            return "XLA and SageMaker MP save through their own APIs"
+        if self.args.push_to_hub:
+            return "push_to_hub uploads the files of the stock layout"
+        if self.args.world_size > 1:
+            return ("runs of several processes are not supported (each rank would need its own "
+                    "sidecar and an all-ranks commit)")
+        return None
+
+    def _start(self) -> SnapshotWriter:
+        if self.snapsvc_writer is None:
+            self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
+        if self._snapsvc_committer is None:
+            self._snapsvc_committer = threading.Thread(target=self._commit_loop, daemon=True,
+                                               name="snapsvc-hf-committer")
+            self._snapsvc_committer.start()
+            _live.add(self)
+        return self.snapsvc_writer
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending commits, then stop the sidecar (a later save starts a new one)."""
+        try:
+            self._drain(self.drain_timeout if timeout is None else timeout)
+        finally:
+            if self._snapsvc_committer is not None:
+                self._snapsvc_commits.put(None)
+                self._snapsvc_committer.join(timeout=10)
+                self._snapsvc_committer = None
+            if self.snapsvc_writer is not None:
+                self.snapsvc_writer.close()
+                self.snapsvc_writer = None
+            _live.discard(self)
+        self._raise_failed()
+
+    # -- saving ---------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        self._raise_failed()
+        reason = self._fallback_reason()
+        if reason is not None:
+            if not self._snapsvc_warned:
+                log.warning("SnapsvcTrainer: synchronous stock checkpoints: %s", reason)
+                self._snapsvc_warned = True
+            self._drain(self.drain_timeout)
+            return super()._save_checkpoint(model, trial)
+        writer = self._start()
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        with self._snapsvc_cond:
+            again = final in self._snapsvc_pending
+        if again:  # the same step saved twice: its first write must land first
+            self._drain(self.drain_timeout)
+            self._raise_failed()
+        self._remove_leftovers(run_dir)
+        os.makedirs(staging)
+        self._note_best(run_dir, final)
+        self._export_callback_states()
+        state: dict[str, Any] = {"model": self.model}
+        if not self.args.save_only_model:
+            state["optimizer"] = self.optimizer
+            state["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            state["rng"] = _rng_state(self.args.parallel_mode == ParallelMode.DISTRIBUTED)
+        state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        try:
+            handle = writer.submit(state, os.path.join(staging, STATE_FILE))
+            # HF's own writers, into the hidden directory; the committer fsyncs them
+            files = [TRAINER_STATE_NAME]
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+            config = getattr(self.model, "config", None)
+            if hasattr(config, "to_json_file"):
+                config.to_json_file(os.path.join(staging, _CONFIG_FILE), use_diff=True)
+                files.append(_CONFIG_FILE)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # nothing was queued for it
+            raise
+        item = _Commit(handle, staging, final, run_dir, files, self.args.should_save,
+                       self.args.save_total_limit, self.state.best_model_checkpoint)
+        with self._snapsvc_cond:
+            self._snapsvc_pending[final] = item
+        self._snapsvc_commits.put(item)
+
+    def _note_best(self, run_dir: str, final: str) -> None:
+        """Set ``state.best_model_checkpoint`` as the stock Trainer does, counting
+        checkpoints still being written (this one included) as existing."""
+        if (self.args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH,
+                                            SaveStrategy.BEST)
+                or not self.state.best_global_step):
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+        with self._snapsvc_cond:
+            pending = best in self._snapsvc_pending
+        if best == final or pending or os.path.exists(best):
+            self.state.best_model_checkpoint = best
+
+    def _export_callback_states(self) -> None:
+        """Record the state of every ExportableState callback (and of control) in
+        ``state.stateful_callbacks``, as the stock Trainer does before saving."""
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if not isinstance(cb, ExportableState):
+                continue
+            key = type(cb).__name__
+            if isinstance(self.state.stateful_callbacks[key], list):
+                self.state.stateful_callbacks[key].append(cb.state())
+            else:
+                self.state.stateful_callbacks[key] = cb.state()
+
+    def _remove_leftovers(self, run_dir: str) -> None:
+        """Remove hidden directories no pending commit owns (a crash left them)."""
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return
+        with self._snapsvc_cond:
+            owned = {c.staging for c in self._snapsvc_pending.values()}
+        for n in names:
+            path = os.path.join(run_dir, n)
+            if n.startswith(STAGING_PREFIX) and path not in owned and os.path.isdir(path):
+                log.info("snapsvc: removing %s, an unfinished checkpoint", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- the committer thread ----------------------------------------------------------
+    def _commit_loop(self) -> None:
+        while (item := self._snapsvc_commits.get()) is not None:
+            try:
+                self._commit(item)
+            except BaseException as e:  # the thread must go on; the trainer raises it
+                shutil.rmtree(item.staging, ignore_errors=True)
+                err = _named(e, item.final)
+                log.error("%s", err)
+                with self._snapsvc_cond:
+                    self._snapsvc_failed.append(err)
+            finally:
+                with self._snapsvc_cond:
+                    if self._snapsvc_pending.get(item.final) is item:
+                        del self._snapsvc_pending[item.final]
+                    self._snapsvc_cond.notify_all()
+
+    @staticmethod
+    def _commit(item: _Commit) -> None:
+        report = item.handle.result()   # resolves: written, failed, or the sidecar died
+        if report.skipped:
+            log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
+            shutil.rmtree(item.staging, ignore_errors=True)
+            return
+        for name in item.files:
+            _fsync_file(os.path.join(item.staging, name))
+        fsync_dir(item.staging)
+        old = None
+        if os.path.isdir(item.final):  # a step saved again replaces its directory
+            old = os.path.join(item.run_dir, STAGING_PREFIX + "old-" +
+                               os.path.basename(item.final))
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(item.final, old)
+        os.rename(item.staging, item.final)
+        fsync_dir(item.run_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if item.rotate:
+            rotate_checkpoints(output_dir=item.run_dir, save_total_limit=item.save_total_limit,
+                               best_model_checkpoint=item.best_model_checkpoint, use_mtime=True)
+
+    def _drain(self, timeout: float) -> None:
+        """Wait until every submitted checkpoint is committed or failed."""
+        deadline = time.monotonic() + timeout
+        with self._snapsvc_cond:
+            while self._snapsvc_pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"checkpoints {sorted(self._snapsvc_pending)} not committed within {timeout:g} s "
+                        "(SnapsvcTrainer.drain_timeout); they stay hidden until they are")
+                self._snapsvc_cond.wait(left)
+
+    def _raise_failed(self) -> None:
+        with self._snapsvc_cond:
+            failed, self._snapsvc_failed = self._snapsvc_failed, []
+        if failed:
+            if len(failed) > 1:
+                log.error("snapsvc: also lost: %s", "; ".join(str(e) for e in failed[1:]))
+            raise failed[0]
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Wait for pending checkpoints (raising a failed one), then save as the Trainer does."""
+        self._drain(self.drain_timeout)
+        self._raise_failed()
+        super().save_model(output_dir, _internal_call)
+
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: float) -> Any:
+        # Before the stock finalizer: it loads the best model, sorts and prunes
+        # checkpoints and calls on_train_end, all of which need them committed.
+        self._drain(self.drain_timeout)
+        self._raise_failed()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    # -- loading --------------------------------------------------------------------
+    def _take(self, checkpoint: str, key: str) -> Any:
+        """``key`` of ``checkpoint``'s state file, loaded once per resume and handed out once."""
+        path = os.path.join(checkpoint, STATE_FILE)
+        if self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path or key not in self._snapsvc_loaded[1]:
+            self._snapsvc_loaded = (path, load(path))
+        return self._snapsvc_loaded[1].pop(key, None)
+
+    @staticmethod
+    def _ours(checkpoint: str | None) -> bool:
+        return checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        if not self._ours(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.model if model is None else model
+        log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
+        self._issue_warnings_after_load(
+            model.load_state_dict(self._take(resume_from_checkpoint, "model"), False))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if not self._ours(best):
+            return super()._load_best_model()
+        log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
+        self._issue_warnings_after_load(self.model.load_state_dict(self._take(best, "model"), False))
+        self._snapsvc_loaded = None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = self._take(checkpoint, "optimizer")
+        scheduler = self._take(checkpoint, "scheduler")
+        if optimizer is not None and scheduler is not None:  # absent: save_only_model
+            self.optimizer.load_state_dict(optimizer)
+            self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_scaler(checkpoint)
+        scaler = self._take(checkpoint, "scaler")
+        if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        rng = self._take(checkpoint, "rng")
+        self._snapsvc_loaded = None   # the last piece a resume needs
+        if rng is None:
+            log.info("snapsvc: %s holds no RNG state (save_only_model); resuming is not "
+                     "bit-exact", checkpoint)
+            return
+        _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Interpreter exit without close(): commit what the sidecar makes durable, bounded.
+
+    Registered after the client's own exit handler, so it runs first, while
+    the sidecar still writes.
+    """
+    for trainer in list(_live):
+        try:
+            trainer._drain(trainer.drain_timeout)
+        except Exception:
+            log.exception("snapsvc: committing checkpoints at exit failed")

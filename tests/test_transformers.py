@@ -1,0 +1,171 @@
+"""snapsvc.transformers.SnapsvcTrainer against the stock Trainer, on a tiny BERT (CPU)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import snapsvc  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hf_script  # noqa: E402
+from hf_script import StopAt, make_dataset, make_trainer, weights  # noqa: E402
+
+from snapsvc.transformers import STAGING_PREFIX, STATE_FILE  # noqa: E402
+
+KINDS = ["stock", "snapsvc"]
+
+
+def _close(trainer) -> None:
+    if hasattr(trainer, "close"):
+        trainer.close()
+
+
+def _checkpoints(out: str) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def _resume_in_new_process(kind: str, out: str, result: str, max_steps: int = 8) -> dict:
+    from safetensors.torch import load_file
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_script.py"), kind, out, result,
+                           str(max_steps)], env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(result)
+
+
+@pytest.mark.timeout(150)
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, no_leaks):
+    """8 uninterrupted steps == 6 steps (checkpoints at 3, 6) + a resume mid-epoch in a new
+    process, for the stock Trainer (the control) and for SnapsvcTrainer."""
+    finals = {}
+    for kind in KINDS:
+        full = make_trainer(kind, str(tmp_path / kind / "full"), save_strategy="no")
+        full.train()
+        finals[kind] = weights(full.model)
+        _close(full)
+
+        out = str(tmp_path / kind / "cut")
+        cut = make_trainer(kind, out, callbacks=[StopAt(6)])
+        cut.train()
+        _close(cut)
+        assert _checkpoints(out) == ["checkpoint-3", "checkpoint-6"]
+        assert cut.state.global_step == 6
+        assert not torch.equal(weights(cut.model)["classifier.weight"],
+                               finals[kind]["classifier.weight"])
+        resumed = _resume_in_new_process(kind, out, str(tmp_path / kind / "resumed.safetensors"))
+        assert resumed.keys() == finals[kind].keys()
+        for name, tensor in finals[kind].items():
+            assert torch.equal(resumed[name], tensor), f"{kind}: {name} differs after resume"
+    for name, tensor in finals["stock"].items():  # the same training, whoever saves
+        assert torch.equal(finals["snapsvc"][name], tensor), name
+    ckpt = tmp_path / "snapsvc" / "cut" / "checkpoint-6"
+    assert sorted(os.listdir(ckpt)) == sorted(
+        ["config.json", "trainer_state.json", STATE_FILE, STATE_FILE + ".meta"])
+    state = snapsvc.load(str(ckpt / STATE_FILE))
+    assert {"model", "optimizer", "scheduler", "rng", "trainer_state"} <= set(state)
+    assert isinstance(state["rng"]["numpy"][1], bytes)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("best", [False, True], ids=["limit", "limit+best"])
+def test_rotation_matches_the_stock_trainer(tmp_path, no_leaks, best):
+    """save_total_limit=2 (and load_best_model_at_end) leave the same checkpoint directories
+    as the stock Trainer after each run, and the same final model."""
+    extra = {}
+    if best:
+        extra = dict(eval_dataset=make_dataset(8, seed=2), eval_strategy="steps", eval_steps=2,
+                     load_best_model_at_end=True, metric_for_best_model="loss",
+                     greater_is_better=True)  # "worse is better": keeps an early best
+    seen, final = {}, {}
+    for kind in KINDS:
+        out = str(tmp_path / kind)
+        runs = []
+        for max_steps, resume in ((6, None), (10, True)):
+            t = make_trainer(kind, out, max_steps=max_steps, save_steps=2, save_total_limit=2,
+                             **extra)
+            t.train(resume_from_checkpoint=resume)
+            runs.append(_checkpoints(out))
+            if best:
+                runs.append(os.path.basename(t.state.best_model_checkpoint))
+            final[kind] = weights(t.model)
+            _close(t)
+        seen[kind] = runs
+        assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    assert seen["snapsvc"] == seen["stock"]
+    if best:  # the best (step 2) is kept beside the newest, then loaded at the end
+        assert seen["stock"] == [["checkpoint-2", "checkpoint-6"], "checkpoint-2",
+                                 ["checkpoint-10", "checkpoint-2"], "checkpoint-2"]
+    else:
+        assert seen["stock"] == [["checkpoint-4", "checkpoint-6"], ["checkpoint-10", "checkpoint-8"]]
+    for name, tensor in final["stock"].items():
+        assert torch.equal(final["snapsvc"][name], tensor), name
+
+
+@pytest.mark.timeout(120)
+def test_sidecar_killed_during_a_save_leaves_nothing_resume_picks(tmp_path, no_leaks):
+    out = str(tmp_path / "run")
+    flag = str(tmp_path / "hold")
+    open(flag, "w").close()
+    trainer = make_trainer("snapsvc", out, max_steps=3, snapsvc_options={
+        "fault_hook": functools.partial(hf_script.sleep_while, flag, 30.0)})
+    errors = []
+
+    def train() -> None:
+        try:
+            trainer.train()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        hidden = os.path.join(out, STAGING_PREFIX + "checkpoint-3")
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(hidden) and trainer.snapsvc_writer is not None
+                   and trainer.snapsvc_writer.pid):
+            assert time.monotonic() < deadline, "the save never started"
+            time.sleep(0.05)
+        time.sleep(0.5)   # the sidecar is now held inside the write
+        assert get_last_checkpoint(out) is None   # still being written: HF does not see it
+        os.kill(trainer.snapsvc_writer.pid, signal.SIGKILL)
+    finally:
+        os.unlink(flag)
+        thread.join(60)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], snapsvc.BrokenWriterError), errors
+    assert "checkpoint-3" in str(errors[0])
+    assert get_last_checkpoint(out) is None
+    assert os.listdir(out) == [] or not _checkpoints(out)
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    with pytest.raises(ValueError, match="No valid checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+
+    trainer.train()   # the next save works: a new sidecar writes it
+    assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-3")
+    again = make_trainer("snapsvc", out, max_steps=4)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 4
+    trainer.close()
+    again.close()
+
+
+@pytest.mark.timeout(60)
+def test_import_snapsvc_does_not_import_transformers():
+    code = "import sys, snapsvc; assert 'transformers' not in sys.modules, 'imported'"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=50)
