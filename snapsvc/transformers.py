@@ -168,7 +168,7 @@ class SnapsvcTrainer(Trainer):
                              "come from args.output_dir and rotation from save_total_limit")
         self.snapsvc_writer: SnapshotWriter | None = None
         self._snapsvc_commits: "queue.Queue[_Commit | None]" = queue.Queue()
-        self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> commit, until committed or failed
+        self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> its commit, until done
         self._snapsvc_failed: list[SnapsvcError] = []
         self._snapsvc_cond = threading.Condition()
         self._snapsvc_committer: threading.Thread | None = None
@@ -176,7 +176,7 @@ class SnapsvcTrainer(Trainer):
         self._snapsvc_warned = False
 
     # -- lifecycle ------------------------------------------------------------------
-    def _fallback_reason(self) -> str | None:
+    def _snapsvc_fallback_reason(self) -> str | None:
         """Why this run uses the stock synchronous save, or None."""
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return "DeepSpeed and FSDP save their own sharded layouts"
@@ -189,12 +189,12 @@ class SnapsvcTrainer(Trainer):
                     "sidecar and an all-ranks commit)")
         return None
 
-    def _start(self) -> SnapshotWriter:
+    def _snapsvc_start(self) -> SnapshotWriter:
         if self.snapsvc_writer is None:
             self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
         if self._snapsvc_committer is None:
-            self._snapsvc_committer = threading.Thread(target=self._commit_loop, daemon=True,
-                                               name="snapsvc-hf-committer")
+            self._snapsvc_committer = threading.Thread(
+                target=self._snapsvc_commit_loop, daemon=True, name="snapsvc-hf-committer")
             self._snapsvc_committer.start()
             _live.add(self)
         return self.snapsvc_writer
@@ -202,7 +202,7 @@ class SnapsvcTrainer(Trainer):
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending commits, then stop the sidecar (a later save starts a new one)."""
         try:
-            self._drain(self.drain_timeout if timeout is None else timeout)
+            self._snapsvc_drain(self.drain_timeout if timeout is None else timeout)
         finally:
             if self._snapsvc_committer is not None:
                 self._snapsvc_commits.put(None)
@@ -212,19 +212,19 @@ class SnapsvcTrainer(Trainer):
                 self.snapsvc_writer.close()
                 self.snapsvc_writer = None
             _live.discard(self)
-        self._raise_failed()
+        self._snapsvc_raise_failed()
 
     # -- saving ---------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        self._raise_failed()
-        reason = self._fallback_reason()
+        self._snapsvc_raise_failed()
+        reason = self._snapsvc_fallback_reason()
         if reason is not None:
             if not self._snapsvc_warned:
                 log.warning("SnapsvcTrainer: synchronous stock checkpoints: %s", reason)
                 self._snapsvc_warned = True
-            self._drain(self.drain_timeout)
+            self._snapsvc_drain(self.drain_timeout)
             return super()._save_checkpoint(model, trial)
-        writer = self._start()
+        writer = self._snapsvc_start()
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -234,12 +234,12 @@ class SnapsvcTrainer(Trainer):
         with self._snapsvc_cond:
             again = final in self._snapsvc_pending
         if again:  # the same step saved twice: its first write must land first
-            self._drain(self.drain_timeout)
-            self._raise_failed()
-        self._remove_leftovers(run_dir)
+            self._snapsvc_drain(self.drain_timeout)
+            self._snapsvc_raise_failed()
+        self._snapsvc_remove_leftovers(run_dir)
         os.makedirs(staging)
-        self._note_best(run_dir, final)
-        self._export_callback_states()
+        self._snapsvc_note_best(run_dir, final)
+        self._snapsvc_export_callback_states()
         state: dict[str, Any] = {"model": self.model}
         if not self.args.save_only_model:
             state["optimizer"] = self.optimizer
@@ -267,7 +267,7 @@ class SnapsvcTrainer(Trainer):
             self._snapsvc_pending[final] = item
         self._snapsvc_commits.put(item)
 
-    def _note_best(self, run_dir: str, final: str) -> None:
+    def _snapsvc_note_best(self, run_dir: str, final: str) -> None:
         """Set ``state.best_model_checkpoint`` as the stock Trainer does, counting
         checkpoints still being written (this one included) as existing."""
         if (self.args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH,
@@ -280,7 +280,7 @@ class SnapsvcTrainer(Trainer):
         if best == final or pending or os.path.exists(best):
             self.state.best_model_checkpoint = best
 
-    def _export_callback_states(self) -> None:
+    def _snapsvc_export_callback_states(self) -> None:
         """Record the state of every ExportableState callback (and of control) in
         ``state.stateful_callbacks``, as the stock Trainer does before saving."""
         for cb in [*self.callback_handler.callbacks, self.control]:
@@ -292,7 +292,7 @@ class SnapsvcTrainer(Trainer):
             else:
                 self.state.stateful_callbacks[key] = cb.state()
 
-    def _remove_leftovers(self, run_dir: str) -> None:
+    def _snapsvc_remove_leftovers(self, run_dir: str) -> None:
         """Remove hidden directories no pending commit owns (a crash left them)."""
         try:
             names = os.listdir(run_dir)
@@ -307,10 +307,10 @@ class SnapsvcTrainer(Trainer):
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- the committer thread ----------------------------------------------------------
-    def _commit_loop(self) -> None:
+    def _snapsvc_commit_loop(self) -> None:
         while (item := self._snapsvc_commits.get()) is not None:
             try:
-                self._commit(item)
+                self._snapsvc_commit(item)
             except BaseException as e:  # the thread must go on; the trainer raises it
                 shutil.rmtree(item.staging, ignore_errors=True)
                 err = _named(e, item.final)
@@ -324,7 +324,7 @@ class SnapsvcTrainer(Trainer):
                     self._snapsvc_cond.notify_all()
 
     @staticmethod
-    def _commit(item: _Commit) -> None:
+    def _snapsvc_commit(item: _Commit) -> None:
         report = item.handle.result()   # resolves: written, failed, or the sidecar died
         if report.skipped:
             log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
@@ -347,7 +347,7 @@ class SnapsvcTrainer(Trainer):
             rotate_checkpoints(output_dir=item.run_dir, save_total_limit=item.save_total_limit,
                                best_model_checkpoint=item.best_model_checkpoint, use_mtime=True)
 
-    def _drain(self, timeout: float) -> None:
+    def _snapsvc_drain(self, timeout: float) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
         deadline = time.monotonic() + timeout
         with self._snapsvc_cond:
@@ -355,11 +355,12 @@ class SnapsvcTrainer(Trainer):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"checkpoints {sorted(self._snapsvc_pending)} not committed within {timeout:g} s "
-                        "(SnapsvcTrainer.drain_timeout); they stay hidden until they are")
+                        f"checkpoints {sorted(self._snapsvc_pending)} not committed within "
+                        f"{timeout:g} s (SnapsvcTrainer.drain_timeout); they stay hidden until "
+                        "they are")
                 self._snapsvc_cond.wait(left)
 
-    def _raise_failed(self) -> None:
+    def _snapsvc_raise_failed(self) -> None:
         with self._snapsvc_cond:
             failed, self._snapsvc_failed = self._snapsvc_failed, []
         if failed:
@@ -369,66 +370,69 @@ class SnapsvcTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Wait for pending checkpoints (raising a failed one), then save as the Trainer does."""
-        self._drain(self.drain_timeout)
-        self._raise_failed()
+        self._snapsvc_drain(self.drain_timeout)
+        self._snapsvc_raise_failed()
         super().save_model(output_dir, _internal_call)
 
     def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: float) -> Any:
         # Before the stock finalizer: it loads the best model, sorts and prunes
         # checkpoints and calls on_train_end, all of which need them committed.
-        self._drain(self.drain_timeout)
-        self._raise_failed()
+        self._snapsvc_drain(self.drain_timeout)
+        self._snapsvc_raise_failed()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # -- loading --------------------------------------------------------------------
-    def _take(self, checkpoint: str, key: str) -> Any:
-        """``key`` of ``checkpoint``'s state file, loaded once per resume and handed out once."""
+    def _snapsvc_take(self, checkpoint: str, key: str, fresh: bool = False) -> Any:
+        """``key`` of ``checkpoint``'s state file (None if absent), handed out once: the
+        file is read at the start of a resume (``fresh``) and kept until the RNG state."""
         path = os.path.join(checkpoint, STATE_FILE)
-        if self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path or key not in self._snapsvc_loaded[1]:
+        if fresh or self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path:
             self._snapsvc_loaded = (path, load(path))
         return self._snapsvc_loaded[1].pop(key, None)
 
     @staticmethod
-    def _ours(checkpoint: str | None) -> bool:
+    def _snapsvc_ours(checkpoint: str | None) -> bool:
         return checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
-        if not self._ours(resume_from_checkpoint):
+        if not self._snapsvc_ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.model if model is None else model
         log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
         self._issue_warnings_after_load(
-            model.load_state_dict(self._take(resume_from_checkpoint, "model"), False))
+            model.load_state_dict(self._snapsvc_take(resume_from_checkpoint, "model", fresh=True),
+                                  False))
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if not self._ours(best):
+        if not self._snapsvc_ours(best):
             return super()._load_best_model()
         log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
-        self._issue_warnings_after_load(self.model.load_state_dict(self._take(best, "model"), False))
+        weights = self._snapsvc_take(best, "model", fresh=True)
+        self._issue_warnings_after_load(self.model.load_state_dict(weights, False))
         self._snapsvc_loaded = None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._ours(checkpoint):
+        if not self._snapsvc_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        optimizer = self._take(checkpoint, "optimizer")
-        scheduler = self._take(checkpoint, "scheduler")
+        optimizer = self._snapsvc_take(checkpoint, "optimizer")
+        scheduler = self._snapsvc_take(checkpoint, "scheduler")
         if optimizer is not None and scheduler is not None:  # absent: save_only_model
             self.optimizer.load_state_dict(optimizer)
             self.lr_scheduler.load_state_dict(scheduler)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        if not self._ours(checkpoint):
+        if not self._snapsvc_ours(checkpoint):
             return super()._load_scaler(checkpoint)
-        scaler = self._take(checkpoint, "scaler")
+        scaler = self._snapsvc_take(checkpoint, "scaler")
         if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
             self.accelerator.scaler.load_state_dict(scaler)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self._ours(checkpoint):
+        if not self._snapsvc_ours(checkpoint):
             return super()._load_rng_state(checkpoint)
-        rng = self._take(checkpoint, "rng")
+        rng = self._snapsvc_take(checkpoint, "rng")
         self._snapsvc_loaded = None   # the last piece a resume needs
         if rng is None:
             log.info("snapsvc: %s holds no RNG state (save_only_model); resuming is not "
@@ -446,6 +450,6 @@ def _drain_at_exit() -> None:
     """
     for trainer in list(_live):
         try:
-            trainer._drain(trainer.drain_timeout)
+            trainer._snapsvc_drain(trainer.drain_timeout)
         except Exception:
             log.exception("snapsvc: committing checkpoints at exit failed")

@@ -111,7 +111,8 @@ def test_rotation_matches_the_stock_trainer(tmp_path, no_leaks, best):
         assert seen["stock"] == [["checkpoint-2", "checkpoint-6"], "checkpoint-2",
                                  ["checkpoint-10", "checkpoint-2"], "checkpoint-2"]
     else:
-        assert seen["stock"] == [["checkpoint-4", "checkpoint-6"], ["checkpoint-10", "checkpoint-8"]]
+        assert seen["stock"] == [["checkpoint-4", "checkpoint-6"],
+                                 ["checkpoint-10", "checkpoint-8"]]
     for name, tensor in final["stock"].items():
         assert torch.equal(final["snapsvc"][name], tensor), name
 

@@ -1,0 +1,119 @@
+"""Training-loop stall per checkpoint: the stock HF Trainer against SnapsvcTrainer, one run.
+
+A BERT of about 100 MiB of float32 parameters (AdamW: about 300 MiB of state
+per checkpoint) trains on random token ids on the CPU; a checkpoint every
+``--every`` steps. The stall is the time spent inside ``_save_checkpoint``
+(what the training loop waits for). The stock Trainer returns once its files
+are in the page cache (it does not fsync); SnapsvcTrainer returns once the
+state is copied into shared memory, and its checkpoint directory appears once
+the sidecar made it durable. ``drain`` is the wait at the end of training for
+the last commits. The first snapsvc save also starts the sidecar and
+allocates the slots, so it is reported apart and left out of the median.
+
+    python benchmarks/hf_stall.py [--steps 30 --every 5 --out benchmarks/results/DATE-hf.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import transformers
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from snapsvc.transformers import SnapsvcTrainer
+
+
+def timed(base: type) -> type:
+    """``base`` with the time of each ``_save_checkpoint`` call recorded in ``stalls``."""
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stalls: list[float] = []
+            self.drain = 0.0
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            t0 = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            self.stalls.append(time.perf_counter() - t0)
+
+        def _finalize_training(self, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            if hasattr(self, "_snapsvc_drain"):
+                self._snapsvc_drain(self.drain_timeout)
+            self.drain = time.perf_counter() - t0
+            return super()._finalize_training(*args)
+
+    Timed.__name__ = base.__name__
+    return Timed
+
+
+def model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=8192, hidden_size=512, num_hidden_layers=7, num_attention_heads=8,
+        intermediate_size=2048))
+
+
+def data(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 8192, (n, 16), generator=g)
+    return [{"input_ids": ids[i], "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
+def run(cls: type, out: str, steps: int, every: int) -> Any:
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
+                             save_strategy="steps", save_steps=every, save_total_limit=2,
+                             lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                             logging_steps=10_000, disable_tqdm=True)
+    trainer = timed(cls)(model=model(), args=args, train_dataset=data(2 * steps))
+    t0 = time.perf_counter()
+    trainer.train()
+    trainer.wall = time.perf_counter() - t0
+    if hasattr(trainer, "close"):
+        trainer.close()
+    return trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--out", help="also write the report to this file")
+    a = p.parse_args()
+    mib = sum(t.numel() * t.element_size() for t in model().state_dict().values()) / 2**20
+    lines = [f"hf_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}, transformers "
+             f"{transformers.__version__}",
+             f"model: BERT, {mib:.0f} MiB float32 parameters, AdamW; {a.steps} steps, "
+             f"a checkpoint every {a.every} (save_total_limit=2)",
+             f"{'trainer':<16}{'saves':>6}{'stall p50 ms':>14}{'max ms':>9}{'first ms':>10}"
+             f"{'drain ms':>10}{'train s':>9}"]
+    medians = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        for cls in (Trainer, SnapsvcTrainer):
+            t = run(cls, os.path.join(tmp, cls.__name__), a.steps, a.every)
+            steady = t.stalls[1:] if cls is SnapsvcTrainer else t.stalls
+            medians[cls.__name__] = statistics.median(steady)
+            lines.append(f"{cls.__name__:<16}{len(t.stalls):>6}{medians[cls.__name__] * 1e3:>14.1f}"
+                         f"{max(steady) * 1e3:>9.1f}{t.stalls[0] * 1e3:>10.1f}"
+                         f"{t.drain * 1e3:>10.1f}{t.wall:>9.1f}")
+    lines.append(f"stall ratio stock / snapsvc (medians): "
+                 f"{medians['Trainer'] / medians['SnapsvcTrainer']:.1f}x")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+    sys.exit(main())
