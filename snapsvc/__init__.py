@@ -39,13 +39,15 @@ from .errors import (
     DistributedCheckpointError,
     EncodeError,
     FormatError,
+    UnsupportedStateError,
     ShapeMismatchError,
     SnapsvcError,
     StrictLoadError,
     WorldSizeMismatchError,
     WriteFailedError,
 )
-from .resume import restore
+from .resume import checkpoint_files, restore
+from .state import load
 from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .verify import VerifyReport, verify
 
@@ -79,9 +81,12 @@ __all__ = [
     "FileInfo",
     "TensorFile",
     "restore",
+    "load",
+    "checkpoint_files",
     "SnapsvcError",
     "FormatError",
     "EncodeError",
+    "UnsupportedStateError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",

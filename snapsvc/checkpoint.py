@@ -237,7 +237,11 @@ class LoadReport:
     """Which entries were loaded, which the model lacks, which the file lacks.
 
     :func:`snapsvc.restore` also fills ``epoch``, ``metrics`` and ``extra``
-    from the checkpoint's metadata.
+    from the checkpoint's metadata. Restoring a nested state names paths in
+    the state (``snapsvc.state``'s syntax) instead of entries, lists the
+    objects it loaded in ``restored``, and puts the whole saved state, as
+    :func:`snapsvc.load` returns it, in ``state`` (non-tensor values cannot
+    be restored in place: read them there).
     """
 
     loaded: list[str] = field(default_factory=list)
@@ -246,6 +250,8 @@ class LoadReport:
     epoch: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     extra: Any = None
+    restored: list[str] = field(default_factory=list)
+    state: Any = None
 
 
 def _where(ckpt: Checkpoint) -> str:

@@ -45,9 +45,10 @@ from torch import nn
 from . import protocol, staging
 from .checkpoint import layout_hash, persistent_buffers
 from .durable import remove_stale_temps
-from .errors import BrokenWriterError, WriteFailedError
-from .resume import check_extra, optimizer_state
+from .errors import BrokenWriterError, EncodeError, WriteFailedError
+from .resume import optimizer_state
 from .snapshot import ModelSnapshot, as_metrics
+from .state import check_plain, flatten
 from .writer import REVOKED, writer_main
 
 __all__ = ["SnapshotWriter", "WriteHandle", "WriteReport", "POLICIES"]
@@ -57,6 +58,7 @@ log = logging.getLogger("snapsvc")
 POLICIES = ("block", "skip", "latest")
 _RESERVED = 0          # slot.seq while a submit is staging into it
 _START_TIMEOUT = 120.0  # spawn + import torch on a loaded 2-core box can be slow
+_META_ROOM = 64 << 10   # what the sidecar adds to a submit's metadata: sizes, CRCs, names
 _live: "weakref.WeakSet[SnapshotWriter]" = weakref.WeakSet()
 
 
@@ -115,8 +117,10 @@ class _Slot:
         self.seq: int | None = None   # None free, _RESERVED staging, else in flight
         self.gen = -1                 # writer generation that has it mapped
         self.copying = False          # overlap mode: the copier thread is filling it
-        self.early = [i for i, s in enumerate(layout.specs) if s.kind == staging.BUFFER]
-        self.late = [i for i, s in enumerate(layout.specs) if s.kind != staging.BUFFER]
+        # overlap mode copies at submit what an optimizer step does not change
+        early = (staging.BUFFER, staging.STATE)
+        self.early = [i for i, s in enumerate(layout.specs) if s.kind in early]
+        self.late = [i for i, s in enumerate(layout.specs) if s.kind not in early]
 
     def release(self) -> None:
         if self.pinned:
@@ -463,41 +467,55 @@ class SnapshotWriter:
             p.handle._future.set_exception(err)
 
     # -- submit ----------------------------------------------------------------
-    def submit(self, model_or_snapshot: nn.Module | ModelSnapshot, path: str | os.PathLike[str],
-               *, metrics: Mapping[str, float] | None = None, epoch: int | None = None,
-               optimizer: torch.optim.Optimizer | None = None, extra: Any = None
-               ) -> WriteHandle:
+    def submit(self, model_or_state: nn.Module | Mapping[Any, Any] | ModelSnapshot,
+               path: str | os.PathLike[str], *, metrics: Mapping[str, float] | None = None,
+               epoch: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+               extra: Any = None) -> WriteHandle:
         """Stage a snapshot into a slot and queue it; return once the copy is done.
 
-        After this returns the model may change freely: the file will hold
-        the values of this moment. With ``optimizer`` its state is captured
-        in the same copy and written beside the model (see
-        :mod:`snapsvc.resume`); ``extra`` is any msgpack-able value (step,
-        RNG states, data-loader position) stored in the metadata.
+        ``model_or_state`` is a model, a :class:`ModelSnapshot`, or a mapping
+        of training state (models, optimizers, schedulers, tensors, nested
+        containers, plain values: see :mod:`snapsvc.state`). After this
+        returns the inputs may change freely: the file holds the values of
+        this moment. With a model, ``optimizer`` captures its state in the
+        same copy, written beside the model (see :mod:`snapsvc.resume`), and
+        ``extra`` is plain data (dicts, lists, tuples, str, bytes, numbers)
+        stored in the metadata.
         """
         started = time.monotonic()
-        optim_info = None
-        if isinstance(model_or_snapshot, ModelSnapshot):
+        optim_info = tree = None
+        path = self._resolve(path)  # values first: nothing is allocated for a refused submit
+        extra = check_plain(extra, "extra")
+        if isinstance(model_or_state, ModelSnapshot):
+            metrics = model_or_state.metrics if metrics is None else metrics
+            epoch = model_or_state.epoch if epoch is None else epoch
+        metrics = as_metrics(metrics)
+        if isinstance(model_or_state, ModelSnapshot):
             if optimizer is not None:
                 raise TypeError("optimizer= needs the model itself, not a ModelSnapshot")
-            snap = model_or_snapshot
+            snap = model_or_state
             params, buffers = list(snap.params.items()), list(snap.buffers.items())
             sources = [t for _, t in params + buffers]
             pool = self._pool(params, buffers)
-            metrics = snap.metrics if metrics is None else metrics
-            epoch = snap.epoch if epoch is None else epoch
-        elif isinstance(model_or_snapshot, nn.Module):
+        elif isinstance(model_or_state, nn.Module):
             if optimizer is None:
-                sources, pool = self._plan(model_or_snapshot)
+                sources, pool = self._plan(model_or_state)
             else:
-                sources, pool, optim_info = self._plan_with_optimizer(model_or_snapshot, optimizer)
+                sources, pool, optim_info = self._plan_with_optimizer(model_or_state, optimizer)
+        elif isinstance(model_or_state, Mapping):
+            if optimizer is not None or extra is not None:
+                raise TypeError("with a state mapping, put optimizers and extra values "
+                                "inside the mapping")
+            flat = flatten(model_or_state)
+            sources, tree = flat.tensors(), flat.tree
+            pool = self._pool(flat.params, flat.buffers, state=flat.rest,
+                              structural_hash=flat.structural_hash)
         else:
-            raise TypeError(f"submit() takes an nn.Module or a ModelSnapshot, "
-                            f"not {type(model_or_snapshot).__name__}")
-        check_extra(extra)
-        path = self._resolve(path)
-        msg = {"path": path, "metrics": as_metrics(metrics), "epoch": int(epoch or 0),
-               "optim": optim_info, "extra": extra}
+            raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "
+                            f"not {type(model_or_state).__name__}")
+        body = _pack_body(pool[0].layout, path, epoch=epoch, metrics=metrics, extra=extra,
+                          optim=optim_info, state=tree)
+        msg = {"path": path, "body": body}
         self._not_from_reader("submit")
         self._ensure_running()
         self._counts["submitted"] += 1
@@ -544,7 +562,7 @@ class SnapshotWriter:
         """The slot holds the snapshot: let the writer claim it, then tell it."""
         self._set_claim(slot, seq)
         self._send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
-                                 sent_at=time.monotonic(), **msg))
+                                 sent_at=time.monotonic(), **msg))  # ints, a checked str, bytes
 
     def _finish_copy(self, rest: Callable[[], None], slot: _Slot, seq: int,
                      msg: dict[str, Any]) -> None:
@@ -573,6 +591,21 @@ class SnapshotWriter:
         if self._copy_pool is None:
             self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="snapsvc-copy")
         return self._copy_pool
+
+    def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
+        """Wait until no write to ``path`` is pending (its outcome is on its handle).
+
+        ``TimeoutError`` after ``timeout`` seconds. For callers about to
+        remove or read that checkpoint.
+        """
+        path = self._resolve(path)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(p.handle.path == path for p in self._pending.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"a write to {path} is still pending after {timeout} s")
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Overlap mode: block until every snapshot's copy has finished."""
@@ -655,13 +688,18 @@ class SnapshotWriter:
 
     def _pool(self, params: list[tuple[str, torch.Tensor]],
               buffers: list[tuple[str, torch.Tensor]],
-              optim: list[tuple[str, torch.Tensor]] = ()) -> list[_Slot]:  # type: ignore[assignment]
-        tensors = [*params, *buffers, *optim]
+              optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
+              state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
+              structural_hash: str | None = None) -> list[_Slot]:
+        tensors = [*params, *buffers, *((n, t) for _, n, t in state), *optim]
         pin = torch.cuda.is_available() and any(t.is_cuda for _, t in tensors)
-        key = (len(params), len(buffers), pin, tuple((n, t.shape, t.dtype) for n, t in tensors))
+        key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
+               tuple((n, t.shape, t.dtype) for n, t in tensors))
         pool = self._pools.get(key)
         if pool is None:
-            layout = staging.Layout.of(params, buffers, layout_hash(params, buffers), optim)
+            if structural_hash is None:
+                structural_hash = layout_hash(params, buffers)
+            layout = staging.Layout.of(params, buffers, structural_hash, optim, state)
             pool = []
             for _ in range(self.slots):
                 self._sid += 1
@@ -806,6 +844,30 @@ class SnapshotWriter:
         return {**self._counts, "pending": pending, "slot_bytes": slot_bytes,
                 "stall_p50_s": pct(0.50), "stall_p99_s": pct(0.99),
                 "stall_max_s": stalls[-1] if stalls else 0.0, "pid": self.pid}
+
+
+def _pack_body(layout: staging.Layout, path: str, *, epoch: int | None,
+               **values: Any) -> bytes:
+    """The WRITE message's metadata values, packed once, before a slot is taken.
+
+    Packed by the function the sidecar and the reader unpack with, and held
+    to the reader's size limit (less room for what the sidecar adds), so a
+    value accepted here is one that can be written and read back.
+    """
+    epoch = int(epoch or 0)
+    if not -(1 << 63) <= epoch < (1 << 63):
+        raise EncodeError(f"epoch {epoch} does not fit in int64")
+    try:
+        body = protocol.pack_value({"epoch": epoch, **values})
+    except (TypeError, ValueError, OverflowError) as e:  # checked already: a bug if it happens
+        raise EncodeError(f"{path}: the metadata cannot be packed ({e})") from None
+    room = protocol.MAX_METADATA - _META_ROOM - sum(
+        len(s.name.encode("utf-8")) + 8 for s in layout.specs if s.kind == staging.BUFFER)
+    if len(body) > room:
+        raise EncodeError(f"{path}: metrics, extra values and state tree take {len(body)} "
+                          f"bytes of metadata; the limit is {room} (snapsvc.protocol."
+                          "MAX_METADATA): keep large data in tensors")
+    return body
 
 
 def _exited(proc: Any) -> bool:

@@ -12,6 +12,7 @@ __all__ = [
     "SnapsvcError",
     "FormatError",
     "EncodeError",
+    "UnsupportedStateError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
@@ -51,6 +52,19 @@ class FormatError(SnapsvcError, ValueError):
 
 class EncodeError(SnapsvcError, ValueError):
     """A tensor or name cannot be written in the ``.fdl`` format."""
+
+
+class UnsupportedStateError(SnapsvcError, TypeError):
+    """A value of a submitted state is of a kind snapsvc does not store.
+
+    ``path`` is where it sits in the state (``state['opt']['state'][0]``).
+    Nothing is pickled, so anything beyond tensors, modules, optimizers,
+    stateful objects, containers and plain scalars is refused at submit.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class ArchitectureMismatchError(SnapsvcError, ValueError):

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-import msgpack
 
 import torch
 
 from . import fdl
+from .protocol import MAX_METADATA, pack_value, unpack_value
 from .checkpoint import FileStats, stage_checkpoint_file
 from .durable import DurableFile, commit, discard, staged_write
 from .errors import FormatError
@@ -32,8 +31,8 @@ __all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "stage_meta", "wr
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
-META_VERSION = 1
-_MAX_META = 64 << 20  # a metadata file is small; refuse to slurp anything huge
+META_VERSION = 2          # 2: packed by snapsvc.protocol (int keys, tuples, state tree)
+_READS = (1, META_VERSION)
 
 
 def meta_path(checkpoint: str | os.PathLike[str]) -> str:
@@ -55,12 +54,17 @@ class Meta:
     # class, param groups, non-tensor state, and "file", "size", "crc32", "entries"
     # of the optimizer file (snapsvc.resume); None when none was saved
     optimizer: dict[str, Any] | None = None
+    # the state tree of a nested submit (snapsvc.state), None for a model submit
+    state: Any = None
 
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
     """``meta`` in a fsynced temp file beside ``checkpoint``, to be committed after it."""
-    body = msgpack.packb({"magic": META_MAGIC, "meta_version": META_VERSION, **asdict(meta)},
-                         use_bin_type=True)
+    body = pack_value({"magic": META_MAGIC, "meta_version": META_VERSION,
+                       **{f: getattr(meta, f) for f in Meta.__dataclass_fields__}})
+    if len(body) > MAX_METADATA:  # the client checks this at submit; a direct caller gets it here
+        raise ValueError(f"metadata for {checkpoint} is {len(body)} bytes; "
+                         f"the limit is {MAX_METADATA}")
     with staged_write(meta_path(checkpoint)) as out:
         out.write(body)
     return out
@@ -103,8 +107,9 @@ def write_with_meta(path: str | os.PathLike[str], entries: list[tuple[str, torch
                      sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 
 
-def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str, version: int,
-                      missing: str, limit: int = _MAX_META) -> dict[str, Any]:
+def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str,
+                      version: int | tuple[int, ...], missing: str,
+                      limit: int = MAX_METADATA) -> dict[str, Any]:
     """Read a small snapsvc msgpack map (metadata, manifest), checking size,
     encoding, magic and version; every failure is a FormatError naming ``path``."""
     try:
@@ -115,14 +120,15 @@ def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str, ver
     if len(data) > limit:
         raise FormatError(f"{what} is larger than {limit} bytes", path=path)
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
+        raw = unpack_value(data)
+    except ValueError as e:
         raise FormatError(f"{what} is not valid msgpack ({e})", path=path) from None
     if not isinstance(raw, dict) or raw.get("magic") != magic:
         raise FormatError(f"not a snapsvc {what} file (expected magic {magic!r})", path=path)
-    if raw.get(version_key) != version:
+    versions = version if isinstance(version, tuple) else (version,)
+    if raw.get(version_key) not in versions:
         raise FormatError(f"{what} version {raw.get(version_key)!r}; this snapsvc reads "
-                          f"version {version}", path=path)
+                          f"version {' and '.join(map(str, versions))}", path=path)
     return raw
 
 
@@ -131,7 +137,7 @@ def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
     path = meta_path(checkpoint)
     raw = read_msgpack_file(
         path, what="metadata", magic=META_MAGIC, version_key="meta_version",
-        version=META_VERSION, missing="no metadata file: the checkpoint is an unfinished "
+        version=_READS, missing="no metadata file: the checkpoint is an unfinished "
         "write, or was not written by snapsvc (read_checkpoint reads its entries)")
     fields = {k: raw[k] for k in Meta.__dataclass_fields__ if k in raw}
     try:

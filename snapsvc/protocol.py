@@ -1,4 +1,12 @@
-"""Control messages between the trainer and the writer sidecar, as msgpack maps.
+"""One msgpack codec for everything snapsvc stores or sends that is not a tensor.
+
+Control messages between the trainer and the writer sidecar, the metadata
+file beside each checkpoint and the state tree of a nested submit all go
+through :func:`pack_value` / :func:`unpack_value`. The trainer packs at
+submit, before a slot is taken, with the same function the sidecar and the
+reader use, so a value the trainer accepts is one they accept: int map keys
+(optimizer state dicts have them), tuples, bytes and non-finite floats
+included. Nothing is pickled.
 
 Every message is one ``send_bytes`` on a ``multiprocessing`` pipe, written
 synchronously by the sending thread: unlike ``multiprocessing.Queue`` there is
@@ -8,7 +16,8 @@ is a slot's shared-memory tensor, sent once right after its ``SLOT`` message.
 trainer -> writer::
 
     {op: SLOT,  slot, layout}            then one pickled tensor (the storage)
-    {op: WRITE, seq, slot, path, metrics, epoch, sent_at}
+    {op: WRITE, seq, slot, path, sent_at, body}   body: pack_value({epoch, metrics,
+                                                  extra, optim, state}), packed at submit
     {op: STOP}
 
 writer -> trainer::
@@ -16,15 +25,25 @@ writer -> trainer::
     {op: READY, pid}
     {op: SLOT_OK, slot}
     {op: DONE,  seq, ok, bytes, entries, timings..., error, errno, path}
+
+Extension types (msgpack ``ExtType`` codes), for what plain msgpack cannot tell apart::
+
+    1  tuple            packed list of its items
+    2  TensorRef        UTF-8 name of the .fdl entry that holds the tensor
+    3  ObjectNode       [kind, class name, state]: a module, optimizer or stateful object
+    4  InlineTensor     [dtype, shape, raw bytes]: a tensor of a dtype .fdl has no tag for
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-__all__ = ["SLOT", "WRITE", "STOP", "READY", "SLOT_OK", "DONE", "pack", "unpack"]
+__all__ = ["SLOT", "WRITE", "STOP", "READY", "SLOT_OK", "DONE", "MAX_METADATA",
+           "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
+           "unpack_value"]
 
 SLOT = "slot"
 WRITE = "write"
@@ -33,13 +52,92 @@ READY = "ready"
 SLOT_OK = "slot_ok"
 DONE = "done"
 
+# The largest metadata file the reader accepts, and so the most a submit may
+# put there: one limit, shared by the client's check, the writer and the reader.
+MAX_METADATA = 64 << 20
+
+_TUPLE, _REF, _OBJECT, _INLINE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of the state tree, stored as the ``.fdl`` entry ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ObjectNode:
+    """A live object of the state tree (``kind``: module, optimizer or stateful)
+    stored as its state: ``value`` is the tree of its ``state_dict()``."""
+
+    kind: str
+    cls: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class InlineTensor:
+    """A tensor whose dtype the ``.fdl`` format lacks (bool, uint8, ...), kept in
+    the metadata as raw little-endian bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if type(obj) is tuple:
+        return msgpack.ExtType(_TUPLE, pack_value(list(obj)))
+    if type(obj) is TensorRef:
+        return msgpack.ExtType(_REF, obj.name.encode("utf-8"))
+    if type(obj) is ObjectNode:
+        return msgpack.ExtType(_OBJECT, pack_value([obj.kind, obj.cls, obj.value]))
+    if type(obj) is InlineTensor:
+        return msgpack.ExtType(_INLINE, pack_value([obj.dtype, list(obj.shape), obj.data]))
+    raise TypeError(f"cannot serialize a {type(obj).__name__}")
+
+
+def _ext(code: int, data: bytes) -> Any:
+    if code == _REF:
+        return TensorRef(data.decode("utf-8"))
+    value = unpack_value(data)
+    if code == _TUPLE and type(value) is list:
+        return tuple(value)
+    if code == _OBJECT and type(value) is list and len(value) == 3:
+        return ObjectNode(*value)
+    if code == _INLINE and type(value) is list and len(value) == 3:
+        dtype, shape, raw = value
+        if type(dtype) is str and type(shape) is list and type(raw) is bytes \
+                and all(type(d) is int and d >= 0 for d in shape):
+            return InlineTensor(dtype, tuple(shape), raw)
+    raise ValueError(f"malformed msgpack extension type {code}")
+
+
+def pack_value(obj: Any) -> bytes:
+    """Pack ``obj`` exactly: dict subclasses, sets and other types are refused
+    (``TypeError``), as are ints outside int64/uint64 (``OverflowError``)."""
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default)
+
+
+def unpack_value(data: bytes) -> Any:
+    """The inverse of :func:`pack_value`. Any error in ``data`` raises ``ValueError``
+    (or a subclass); lengths are bounded by ``len(data)``."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext,
+                               use_list=True)
+    except ValueError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for bad bytes
+        raise ValueError(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
 
 def pack(op: str, **fields: Any) -> bytes:
-    return msgpack.packb({"op": op, **fields}, use_bin_type=True)
+    return pack_value({"op": op, **fields})
 
 
 def unpack(data: bytes) -> dict[str, Any]:
-    msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    msg = unpack_value(data)
     if not isinstance(msg, dict) or "op" not in msg:
         raise ValueError(f"malformed control message: {msg!r:.80}")
     return msg

@@ -20,17 +20,19 @@ metadata (written last) vouches for both.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import torch
 from torch import nn
 
 from .checkpoint import LoadReport, load_into, read_checkpoint
 from .errors import FormatError
-from .meta import read_meta
+from .meta import meta_path, read_meta
+from .state import restore_state
 
-__all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "check_extra", "restore"]
+__all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
+           "restore"]
 
 _SEP = ":"
 
@@ -113,27 +115,32 @@ def _shape(groups: list[list[Any]]) -> str:
     return "[" + ", ".join(f"{len(g)} params" for g in groups) + "]"
 
 
-def check_extra(extra: Any) -> Any:
-    """Refuse, at submit time, an ``extra`` that msgpack cannot store."""
-    try:
-        msgpack.packb(extra, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TypeError(f"extra must be msgpack-able (dicts, lists, str, bytes, numbers): {e}"
-                        ) from None
-    return extra
+def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
+    """Every file of the checkpoint at ``path`` that exists, metadata first:
+    removing them in this order never leaves a checkpoint that looks whole."""
+    path = os.fspath(path)
+    return [p for p in (meta_path(path), optim_path(path), path) if os.path.exists(p)]
 
 
-def restore(path: str | os.PathLike[str], model: nn.Module,
+def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
             optimizer: torch.optim.Optimizer | None = None, *, strict: bool = False
             ) -> LoadReport:
-    """Bring back what ``submit(..., optimizer=, extra=)`` saved.
+    """Bring back what a submit saved, into live objects.
 
-    Loads the model (flodl's rules), the optimizer's state when ``optimizer``
-    is given, and returns a :class:`LoadReport` whose ``epoch``, ``metrics``
-    and ``extra`` come from the metadata. Everything is read and checked
-    before the model or optimizer changes.
+    ``target`` a model: loads it (flodl's rules), the optimizer's state when
+    ``optimizer`` is given (``submit(model, ..., optimizer=)``). ``target`` a
+    mapping of live objects (``submit(state, ...)``): tensors are copied in
+    place, modules loaded, ``load_state_dict`` called on optimizers and
+    stateful objects; non-tensor values come back in ``report.state``.
+    The :class:`LoadReport`'s ``epoch``, ``metrics`` and ``extra`` come from
+    the metadata. Everything is read and checked before anything changes.
     """
     path = os.fspath(path)
+    if isinstance(target, Mapping):
+        if optimizer is not None:
+            raise TypeError("restore(path, state_mapping) takes optimizers inside the mapping")
+        return restore_state(path, target, strict=strict)
+    model = target
     meta = read_meta(path)
     ckpt = read_checkpoint(path)
     optim_sd = None

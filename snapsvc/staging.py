@@ -23,7 +23,7 @@ import torch
 
 from . import fdl
 
-__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "TensorSpec", "Layout", "allocate", "claim_word", "views",
+__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "TensorSpec", "Layout", "allocate", "claim_word", "views",
            "copy_into", "unpin", "ClaimLock"]
 
 ALIGN = 64
@@ -33,6 +33,10 @@ HEADER = 64
 
 
 PARAM, BUFFER, OPTIM = "param", "buffer", "optim"
+# Tensors of a nested state beyond its model (snapsvc.state): STATE_STEP ones
+# (parameters, optimizer state) change only in an optimizer step, which
+# guard() can hold back; STATE ones (buffers, plain tensors) may change any time.
+STATE, STATE_STEP = "state", "state_step"
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class TensorSpec:
     dtype: torch.dtype
     offset: int
     nbytes: int
-    kind: str  # PARAM, BUFFER (the model file) or OPTIM (the optimizer file)
+    kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,19 @@ class Layout:
     @classmethod
     def of(cls, params: Iterable[tuple[str, torch.Tensor]],
            buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
-           optim: Iterable[tuple[str, torch.Tensor]] = ()) -> "Layout":
+           optim: Iterable[tuple[str, torch.Tensor]] = (),
+           state: Iterable[tuple[str, str, torch.Tensor]] = ()) -> "Layout":
+        """Specs in file order: ``params``, ``buffers``, then ``state`` as
+        (kind, name, tensor) triples, then ``optim`` (a file of its own)."""
         specs = []
         offset = HEADER
-        for kind, pairs in ((PARAM, params), (BUFFER, buffers), (OPTIM, optim)):
-            for name, t in pairs:
-                fdl.check_encodable(name, t)  # refuse before anything is staged
-                n = t.numel() * t.element_size()
-                specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, kind))
-                offset += -(-n // ALIGN) * ALIGN
+        triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
+                   *state, *((OPTIM, n, t) for n, t in optim)]
+        for kind, name, t in triples:
+            fdl.check_encodable(name, t)  # refuse before anything is staged
+            n = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, kind))
+            offset += -(-n // ALIGN) * ALIGN
         return cls(tuple(specs), offset, structural_hash)
 
     def to_msg(self) -> dict[str, Any]:

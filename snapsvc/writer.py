@@ -114,9 +114,11 @@ class _Sidecar:
                     "error": f"slot {msg['slot']} was never registered with this writer"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
-        meta = Meta(buffers=slot.buffers, epoch=msg["epoch"], metrics=msg["metrics"],
-                    structural_hash=slot.layout.structural_hash, extra=msg.get("extra"),
-                    optimizer=msg.get("optim"))
+        body = protocol.unpack_value(msg["body"])  # packed and checked at submit
+        meta = Meta(buffers=slot.buffers, epoch=body["epoch"], metrics=body["metrics"],
+                    structural_hash=slot.layout.structural_hash or None,
+                    extra=body.get("extra"), optimizer=body.get("optim"),
+                    state=body.get("state"))
         optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
         try:
             stats = write_with_meta(path, slot.entries, meta, compress_level=self.compress_level,

@@ -31,8 +31,14 @@ import gc  # noqa: E402
 import os  # noqa: E402
 
 
+# What torch's shared memory and snapsvc could leave. Other processes on the
+# machine (a parallel test run, multiprocessing's named semaphores "sem.mp-*")
+# come and go in /dev/shm too, and must not fail these tests.
+_OURS = ("torch_", "psm_", "snapsvc")
+
+
 def _shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    return {e for e in os.listdir("/dev/shm") if e.startswith(_OURS)}
 
 
 def _open_fds() -> set[str]:

@@ -406,10 +406,11 @@ def test_rank_whose_writer_dies_fails_every_handle_then_recovers(faults2):
 def test_rank_whose_submit_raises_or_is_out_of_step_fails_every_handle(faults2):
     tmp, results = faults2
     d = tmp / "ckpt"
-    assert results[1]["steps"]["5"]["raised"].startswith("TypeError: extra must be msgpack-able")
+    assert results[1]["steps"]["5"]["raised"].startswith(
+        "UnsupportedStateError: extra: a value of type object is not storable")
     s = results[0]["steps"]["5"]  # rank 0 does not wait forever for rank 1's part
     assert not s["ok"] and list(s["failures"]) == ["1"]
-    assert "submit() raised TypeError" in s["error"]
+    assert "submit() raised UnsupportedStateError" in s["error"]
     for res in results:
         s = res["steps"]["6"]
         assert not s["ok"] and sorted(s["failures"]) == ["0", "1"] and "out of step" in s["error"]

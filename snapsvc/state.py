@@ -1,0 +1,516 @@
+"""Nested training state: what ``submit(state, path)`` takes, and how it comes back.
+
+A state is a ``Mapping`` (PyTorch DCP's convention) whose values may be
+tensors, ``nn.Module``, ``torch.optim.Optimizer``, any object with
+``state_dict()``/``load_state_dict()`` (schedulers, GradScaler, DCP
+``Stateful``), dicts with str or int keys, lists, tuples, and int, float
+(NaN and inf too), str, bytes, bool and None. Anything else is refused at
+submit with :class:`~snapsvc.errors.UnsupportedStateError` naming its key
+path; nothing is pickled, so loading a checkpoint never runs code.
+
+On disk. Every tensor whose dtype ``.fdl`` has a tag for is an entry of the
+checkpoint file, named by its path in the state::
+
+    path   := segment ("/" segment)*
+    segment:= str key, with "%" -> "%25", "/" -> "%2F" and a leading "#" -> "%23"
+            | "#" decimal      an int key, or a list or tuple index
+
+    {"opt": adam, "ema": ema_model, "step": torch.tensor(3)}
+      -> "opt/state/#0/exp_avg", "ema/fc.weight", "step"
+
+One module keeps its own names (``fc.weight``), so flodl and
+:func:`snapsvc.load_checkpoint` load the file as that model: the value under
+the top-level key ``"model"`` if it is a module, else the only module among
+the top-level values. Its parameters then persistent buffers come first in
+the file and its structural hash goes in the header; every other entry
+follows in the state's order. Tensors of other dtypes (bool, uint8, int8,
+int16, complex, float8: RNG states are uint8) are kept as raw bytes in the
+metadata, within its size limit.
+
+The tree itself (containers, key types, tuple versus list, non-tensor
+leaves, which live object each part came from) goes in the metadata, packed
+by :mod:`snapsvc.protocol`; ``docs/state.md`` describes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import fdl
+from .checkpoint import LoadReport, layout_hash, persistent_buffers, read_checkpoint
+from .errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
+    StrictLoadError, UnsupportedStateError
+from .meta import read_meta
+from .protocol import InlineTensor, ObjectNode, TensorRef
+from .staging import STATE, STATE_STEP
+
+__all__ = ["Flat", "flatten", "check_plain", "load", "restore_state", "INLINE_DTYPES",
+           "MAX_DEPTH"]
+
+MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
+_I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
+_PLAIN = (str, bytes, bool, float, type(None))
+
+# Tensors of these dtypes travel in the metadata; both directions written out.
+INLINE_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_INLINE_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+
+
+def _segment(key: str | int) -> str:
+    if type(key) is int:
+        return f"#{key}"
+    s = key.replace("%", "%25").replace("/", "%2F")
+    return "%23" + s[1:] if s.startswith("#") else s
+
+
+def _name(path: tuple) -> str:
+    """The entry name, or report path, of ``path``."""
+    return "/".join(_segment(k) for k in path)
+
+
+def _show(path: tuple, root: str = "state") -> str:
+    return root + "".join(f"[{k!r}]" for k in path)
+
+
+@dataclass
+class Flat:
+    """A state taken apart for staging: tensors by kind, and the tree."""
+
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)   # the model's
+    buffers: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # the model's
+    rest: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (kind, name, t)
+    tree: Any = None
+    structural_hash: str = ""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Copy sources, in the layout's order."""
+        return ([t for _, t in self.params] + [t for _, t in self.buffers]
+                + [t for _, _, t in self.rest])
+
+
+class _Walker:
+    def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state") -> None:
+        self.model_key = model_key
+        self.tensors_ok = tensors_ok
+        self.root = root
+        self.flat = Flat()
+        self.names: dict[str, tuple] = {}
+        self.open: set[int] = set()  # containers on the current path: a cycle revisits one
+
+    def show(self, path: tuple) -> str:
+        return _show(path, self.root)
+
+    def refuse(self, path: tuple, what: str) -> UnsupportedStateError:
+        where = self.show(path)
+        return UnsupportedStateError(
+            f"{where}: {what}; snapsvc stores tensors, modules, optimizers, objects with "
+            "state_dict()/load_state_dict(), dicts with str or int keys, lists, tuples, int, "
+            "float, str, bytes, bool and None" if self.tensors_ok else
+            f"{where}: {what}; plain values are dicts with str or int keys, lists, tuples, "
+            "int, float, str, bytes, bool and None", path=where)
+
+    def value(self, v: Any, path: tuple, step: bool = False) -> Any:
+        t = type(v)
+        if t in _PLAIN:
+            if t is str:
+                self.check_text(v, path)
+            return v
+        if t is int:
+            if not _I64[0] <= v <= _I64[1]:
+                raise EncodeError(f"{self.show(path)}: int {v} does not fit in 64 bits")
+            return v
+        if not self.tensors_ok and (isinstance(v, (torch.Tensor, nn.Module))
+                                    or hasattr(v, "state_dict")):
+            raise self.refuse(path, f"a {t.__name__}: tensors and objects go in a state mapping, "
+                                "submit({'model': ..., ...}, path)")
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v, path, STATE_STEP if step else STATE)
+        if isinstance(v, nn.Module):
+            return self.module(v, path)
+        if isinstance(v, torch.optim.Optimizer):
+            return ObjectNode("optimizer", t.__name__,
+                              self.stateful_dict(v.state_dict(), path, step=True))
+        if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
+            return ObjectNode("stateful", t.__name__, self.stateful_dict(v.state_dict(), path))
+        if isinstance(v, Mapping) or t in (list, tuple):
+            return self.container(v, path, step)
+        if isinstance(v, (list, tuple)):
+            raise self.refuse(path, f"a {t.__name__} (a list or tuple subclass would come back "
+                                "as a plain one)")
+        raise self.refuse(path, f"a value of type {t.__name__} is not storable")
+
+    def stateful_dict(self, sd: Any, path: tuple, step: bool = False) -> Any:
+        if not isinstance(sd, Mapping):
+            raise self.refuse(path, f"state_dict() returned a {type(sd).__name__}, not a mapping")
+        return self.container(sd, path, step)
+
+    def container(self, v: Any, path: tuple, step: bool = False) -> Any:
+        if len(path) >= MAX_DEPTH:
+            raise EncodeError(f"{self.show(path)}: nested deeper than {MAX_DEPTH} levels")
+        if id(v) in self.open:
+            raise self.refuse(path, "a cycle: this container contains itself")
+        self.open.add(id(v))
+        try:
+            if isinstance(v, Mapping):
+                out = {}
+                for k, item in v.items():
+                    if type(k) is str:
+                        self.check_text(k, path + (k,))
+                    elif type(k) is not int:
+                        raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
+                                                   "(only str and int keys are stored)")
+                    out[k] = self.value(item, path + (k,), step)
+                return out
+            items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]
+            return tuple(items) if type(v) is tuple else items
+        finally:
+            self.open.discard(id(v))
+
+    def check_text(self, s: str, path: tuple) -> None:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise EncodeError(f"{self.show(path)}: {s!r} is not encodable as UTF-8 ({e.reason})"
+                              ) from None
+
+    def tensor(self, t: torch.Tensor, path: tuple, kind: str, name: str | None = None) -> Any:
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            raise self.refuse(path, f"a tensor subclass {type(t).__name__} (for DTensor use "
+                                "DistributedSnapshotWriter, or pass .to_local())")
+        if t.layout != torch.strided:
+            raise self.refuse(path, f"a {t.layout} tensor (convert with .to_dense())")
+        if t.is_quantized or t.device.type == "meta":
+            raise self.refuse(path, "a quantized or meta tensor (no plain data to store)")
+        if t.dtype not in fdl.DTYPE_TO_TAG:
+            return self.inline(t, path)
+        name = _name(path) if name is None else name
+        if name in self.names:
+            raise self.refuse(path, f"its entry name {name!r} is taken by "
+                                f"{self.show(self.names[name])} (the model keeps its own names)")
+        self.names[name] = path
+        fdl.check_encodable(name, t)
+        if kind in (STATE, STATE_STEP):
+            self.flat.rest.append((kind, name, t.detach()))
+        else:
+            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t.detach()))
+        return TensorRef(name)
+
+    def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
+        name = _INLINE_NAMES.get(t.dtype)
+        if name is None:
+            raise self.refuse(path, f"a tensor of dtype {t.dtype}, which snapsvc cannot store")
+        cpu = t.detach().to("cpu", copy=True).contiguous()  # a copy: later changes stay out
+        data = ctypes.string_at(cpu.data_ptr(), cpu.numel() * cpu.element_size())
+        return InlineTensor(name, tuple(cpu.shape), data)
+
+    def module(self, m: nn.Module, path: tuple) -> ObjectNode:
+        own_names = len(path) == 1 and path[0] == self.model_key
+        tensors: dict[str, Any] = {}
+        for kind, pairs in (("param", m.named_parameters()), ("buffer", persistent_buffers(m))):
+            for pname, t in pairs:
+                where = path + (pname,)
+                if own_names and t.dtype in fdl.DTYPE_TO_TAG:
+                    tensors[pname] = self.tensor(t, where, kind, name=pname)
+                else:
+                    tensors[pname] = self.tensor(t, where, STATE_STEP if kind == "param"
+                                                 else STATE)
+        if own_names:
+            self.flat.structural_hash = layout_hash(self.flat.params, self.flat.buffers)
+        return ObjectNode("module", type(m).__name__, _in_state_dict_order(m, tensors))
+
+
+def _in_state_dict_order(m: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (params, then buffers) reordered as ``m.state_dict()`` lists
+    them, module by module, without calling its hooks."""
+    out = {}
+    for prefix, mod in m.named_modules():
+        for name in (*mod._parameters, *mod._buffers):
+            full = f"{prefix}.{name}" if prefix else name
+            if full in tensors:
+                out[full] = tensors[full]
+    return out if len(out) == len(tensors) else tensors
+
+
+def _model_key(state: Mapping) -> str | None:
+    """Which top-level module keeps its own names (see the module docstring)."""
+    if isinstance(state.get("model"), nn.Module):
+        return "model"
+    keys = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
+
+
+def flatten(state: Mapping) -> Flat:
+    """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
+
+    Non-tensor leaves are copied into the tree now, and ``state_dict()`` is
+    called now, so what is written is the state of this moment once the
+    tensors are staged.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
+    w = _Walker(_model_key(state), tensors_ok=True)
+    w.flat.tree = w.container(state, ())
+    return w.flat
+
+
+def check_plain(value: Any, what: str) -> Any:
+    """Validate ``value`` (the ``extra=`` of a model submit) as plain data."""
+    return _Walker(None, tensors_ok=False, root=what).value(value, ())
+
+
+# -- reading back ------------------------------------------------------------------
+def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
+    dtype = INLINE_DTYPES.get(node.dtype)
+    if dtype is None:
+        raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
+    numel = 1
+    for d in node.shape:
+        numel *= d
+    if numel * dtype.itemsize != len(node.data):
+        raise FormatError(f"inline tensor of shape {list(node.shape)} and dtype {node.dtype} "
+                          f"needs {numel * dtype.itemsize} bytes, has {len(node.data)}",
+                          path=where)
+    if not node.data:
+        return torch.empty(node.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+
+
+class _Rebuild:
+    def __init__(self, entries: dict[str, torch.Tensor], where: str, keep_objects: bool) -> None:
+        self.entries = entries
+        self.where = where
+        self.keep = keep_objects
+        self.used: set[str] = set()
+
+    def __call__(self, node: Any) -> Any:
+        t = type(node)
+        if t is ObjectNode and not self.keep:
+            return self(node.value)
+        if t is TensorRef:
+            if node.name not in self.entries:
+                raise FormatError(f"the metadata names entry {node.name!r}, which the "
+                                  "checkpoint lacks", path=self.where)
+            self.used.add(node.name)
+            return self.entries[node.name]
+        if t is InlineTensor:
+            return _inline_tensor(node, self.where)
+        if t is ObjectNode:
+            return ObjectNode(node.kind, node.cls, self(node.value))
+        if t is dict:
+            return {k: self(v) for k, v in node.items()}
+        if t is list:
+            return [self(v) for v in node]
+        if t is tuple:
+            return tuple(self(v) for v in node)
+        return node
+
+
+def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
+    """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree."""
+    meta = read_meta(path)
+    if meta.state is None:
+        raise FormatError("not a nested-state checkpoint (it was submitted as a model: "
+                          "use restore(path, model) or read_checkpoint)", path=path)
+    entries = read_checkpoint(path).entries
+    rebuild = _Rebuild(entries, path, keep_objects)
+    tree = rebuild(meta.state)
+    unused = [n for n in entries if n not in rebuild.used]
+    if unused:
+        raise FormatError(f"entries {unused[:3]} are not in the metadata's state tree: "
+                          "the metadata does not belong to this checkpoint", path=path)
+    return meta, tree
+
+
+def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
+    """The nested state that ``submit(state, path)`` wrote, with tensors on the CPU.
+
+    Modules, optimizers and stateful objects come back as their
+    ``state_dict()`` at submit; key types, tuples, bytes, None and
+    non-finite floats come back exactly.
+    """
+    return _read(os.fspath(path), keep_objects=False)[1]
+
+
+# -- restoring into live objects ------------------------------------------------------
+@dataclass
+class _Plan:
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    loads: list[tuple[Any, Any]] = field(default_factory=list)  # (object, state dict)
+    report: LoadReport = field(default_factory=LoadReport)
+
+
+class _Matcher:
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.plan = _Plan()
+
+    def tensor(self, live: torch.Tensor, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, torch.Tensor):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a tensor here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        if saved.shape != live.shape:
+            raise ShapeMismatchError(f"{self.where}: {_show(path)}: checkpoint shape "
+                                     f"{list(saved.shape)} but live shape {list(live.shape)}")
+        self.plan.copies.append((live, saved))
+        self.plan.report.loaded.append(_name(path))
+
+    def match(self, live: Any, saved: Any, path: tuple) -> None:
+        kind = saved.kind if type(saved) is ObjectNode else None
+        value = saved.value if type(saved) is ObjectNode else saved
+        if isinstance(live, torch.Tensor):
+            self.tensor(live, value, path)
+        elif isinstance(live, nn.Module):
+            self.module(live, value, path)
+        elif isinstance(live, torch.optim.Optimizer):
+            self.optimizer(live, value, path, kind)
+        elif callable(getattr(live, "state_dict", None)) \
+                and callable(getattr(live, "load_state_dict", None)):
+            if not isinstance(value, dict):
+                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} holds a "
+                                                f"{type(value).__name__}, not a state dict")
+            self.plan.loads.append((live, value))
+            self.plan.report.restored.append(_name(path))
+        elif isinstance(live, Mapping):
+            self.mapping(live, value, path)
+        elif isinstance(live, (list, tuple)) and isinstance(value, (list, tuple)):
+            if len(live) != len(value):
+                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} has {len(live)} "
+                                                f"items here, {len(value)} in the checkpoint")
+            for i, (a, b) in enumerate(zip(live, value)):
+                self.match(a, b, path + (i,))
+        # plain values cannot change in place: they come back in report.state
+
+    def mapping(self, live: Mapping, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a mapping here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        for k, v in live.items():
+            if k in saved:
+                self.match(v, saved[k], path + (k,))
+            else:
+                self.plan.report.missing.append(_name(path + (k,)))
+        self.plan.report.skipped += [_name(path + (k,)) for k in saved if k not in live]
+
+    def module(self, live: nn.Module, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a module here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        targets = dict(live.named_parameters())
+        targets.update(persistent_buffers(live))
+        for name, t in targets.items():
+            if name in saved:
+                self.tensor(t, saved[name], path + (name,))
+            else:
+                self.plan.report.missing.append(_name(path + (name,)))
+        self.plan.report.skipped += [_name(path + (n,)) for n in saved if n not in targets]
+        self.plan.report.restored.append(_name(path))
+
+    def optimizer(self, live: torch.optim.Optimizer, saved: Any, path: tuple,
+                  kind: str | None) -> None:
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if kind not in (None, "optimizer") or not isinstance(groups, list) \
+                or not isinstance(saved.get("state"), dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is an optimizer here, "
+                                            "but the checkpoint holds no optimizer state there")
+        have = [len(g["params"]) for g in live.param_groups]
+        try:
+            want = [len(g["params"]) for g in groups]
+        except (TypeError, KeyError):
+            raise FormatError(f"{_show(path)}: malformed param_groups", path=self.where) from None
+        if have != want:
+            raise ArchitectureMismatchError(
+                f"{self.where}: {_show(path)}: the optimizer's param groups hold {have} "
+                f"parameters, the checkpoint's {want}; build the optimizer the same way")
+        params = [p for g in live.param_groups for p in g["params"]]
+        for index, state in saved["state"].items():
+            if type(index) is not int or not 0 <= index < len(params) \
+                    or not isinstance(state, dict):
+                raise FormatError(f"{_show(path)}: optimizer state for parameter {index!r}, "
+                                  f"which the optimizer lacks", path=self.where)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() and \
+                        value.shape != params[index].shape:
+                    raise ShapeMismatchError(
+                        f"{self.where}: {_show(path)}: state {key!r} of parameter {index} has "
+                        f"shape {list(value.shape)}, the parameter {list(params[index].shape)}")
+        self.plan.loads.append((live, saved))
+        self.plan.report.restored.append(_name(path))
+
+
+def restore_state(path: str | os.PathLike[str], target: Mapping, *,
+                  strict: bool = False) -> LoadReport:
+    """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`)."""
+    path = os.fspath(path)
+    meta, saved = _read(path, keep_objects=True)
+    m = _Matcher(path)
+    m.mapping(target, saved, ())
+    report = m.plan.report
+    if strict and (report.skipped or report.missing):
+        raise StrictLoadError(
+            f"{path}: strict restore: {len(report.skipped)} saved paths not in the target "
+            f"{report.skipped[:5]}, {len(report.missing)} target paths not in the checkpoint "
+            f"{report.missing[:5]}; pass strict=False to restore the overlap")
+    _apply(m.plan)
+    report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
+    report.state = _Rebuild({}, path, keep_objects=False)(saved)  # objects -> their state
+    return report
+
+
+def _apply(plan: _Plan) -> None:
+    """Everything checked: load objects, then copy tensors in place.
+
+    A stateful object's ``load_state_dict`` cannot be checked beforehand, so
+    those run first, each with a copy of its state to undo them if a later
+    one raises; optimizers were checked against their parameters and run
+    next without a copy (theirs would double the memory of their state).
+    """
+    done: list[tuple[Any, Any]] = []
+    loads = sorted(plan.loads, key=lambda o: isinstance(o[0], torch.optim.Optimizer))
+    for obj, sd in loads:
+        backup = None if isinstance(obj, torch.optim.Optimizer) \
+            else copy.deepcopy(obj.state_dict())
+        try:
+            obj.load_state_dict(sd)
+        except BaseException:
+            for prev, prev_sd in reversed(done):
+                prev.load_state_dict(prev_sd)
+            if backup is not None:
+                obj.load_state_dict(backup)
+            raise
+        if backup is not None:
+            done.append((obj, backup))
+    with torch.no_grad():
+        for live, saved in plan.copies:
+            live.copy_(saved)
