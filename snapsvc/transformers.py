@@ -174,6 +174,8 @@ class SnapsvcTrainer(Trainer):
         self._snapsvc_committer: threading.Thread | None = None
         self._snapsvc_loaded: tuple[str, dict[str, Any]] | None = None
         self._snapsvc_warned = False
+        self._snapsvc_guard: Any = None        # the step hook of overlap mode, and its optimizer
+        self._snapsvc_guarded: Any = None
 
     # -- lifecycle ------------------------------------------------------------------
     def _snapsvc_fallback_reason(self) -> str | None:
@@ -192,6 +194,15 @@ class SnapsvcTrainer(Trainer):
     def _snapsvc_start(self) -> SnapshotWriter:
         if self.snapsvc_writer is None:
             self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
+        # overlap=True: the parameter copy runs on while training goes on; the
+        # optimizer's next step waits for it. Accelerate wraps the optimizer, and
+        # step hooks fire on the torch optimizer inside.
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if self.snapsvc_writer.overlap and self._snapsvc_guarded is not inner:
+            if self._snapsvc_guard is not None:
+                self._snapsvc_guard.remove()
+            self._snapsvc_guard = self.snapsvc_writer.guard(inner)
+            self._snapsvc_guarded = inner
         if self._snapsvc_committer is None:
             self._snapsvc_committer = threading.Thread(
                 target=self._snapsvc_commit_loop, daemon=True, name="snapsvc-hf-committer")
@@ -208,6 +219,9 @@ class SnapsvcTrainer(Trainer):
                 self._snapsvc_commits.put(None)
                 self._snapsvc_committer.join(timeout=10)
                 self._snapsvc_committer = None
+            if self._snapsvc_guard is not None:
+                self._snapsvc_guard.remove()
+                self._snapsvc_guard = self._snapsvc_guarded = None
             if self.snapsvc_writer is not None:
                 self.snapsvc_writer.close()
                 self.snapsvc_writer = None

@@ -1,9 +1,9 @@
 """A tiny Hugging Face training run for tests/test_transformers.py (and its resume, as a script).
 
-``python tests/hf_script.py KIND OUT RESULT [MAX_STEPS]`` resumes the run in
-``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND ``stock``)
-or ``SnapsvcTrainer`` (``snapsvc``), trains to MAX_STEPS and saves the final
-weights to RESULT (safetensors).
+``python tests/hf_script.py KIND OUT RESULT [KIND OUT RESULT ...]`` resumes
+each run in ``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND
+``stock``) or ``SnapsvcTrainer`` (``snapsvc``), trains to 8 steps and saves
+the final weights to RESULT (safetensors).
 """
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ def sleep_while(flag: str, seconds: float, stage: str, path: str) -> None:
 
 
 def main() -> None:
-    kind, out, result = sys.argv[1:4]
-    max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     from safetensors.torch import save_file
-    trainer = make_trainer(kind, out, max_steps=max_steps)
-    trainer.train(resume_from_checkpoint=True)
-    if kind != "stock":
-        trainer.close()
-    save_file(weights(trainer.model), result)
+    args = sys.argv[1:]
+    for kind, out, result in zip(args[::3], args[1::3], args[2::3]):
+        trainer = make_trainer(kind, out)
+        trainer.train(resume_from_checkpoint=True)
+        if kind != "stock":
+            trainer.close()
+        save_file(weights(trainer.model), result)
 
 
 if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module

@@ -38,21 +38,21 @@ def _checkpoints(out: str) -> list[str]:
     return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
 
 
-def _resume_in_new_process(kind: str, out: str, result: str, max_steps: int = 8) -> dict:
-    from safetensors.torch import load_file
+def _resume_in_a_new_process(jobs: list[tuple[str, str, str]]) -> None:
+    """Resume each (kind, run directory, result file) in one new process."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_script.py"), kind, out, result,
-                           str(max_steps)], env=env, capture_output=True, text=True, timeout=90)
+    argv = [a for job in jobs for a in job]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_script.py"), *argv], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_file(result)
 
 
 @pytest.mark.timeout(150)
 def test_resume_in_a_new_process_is_bit_exact(tmp_path, no_leaks):
     """8 uninterrupted steps == 6 steps (checkpoints at 3, 6) + a resume mid-epoch in a new
     process, for the stock Trainer (the control) and for SnapsvcTrainer."""
-    finals = {}
+    finals, jobs = {}, []
     for kind in KINDS:
         full = make_trainer(kind, str(tmp_path / kind / "full"), save_strategy="no")
         full.train()
@@ -67,7 +67,11 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path, no_leaks):
         assert cut.state.global_step == 6
         assert not torch.equal(weights(cut.model)["classifier.weight"],
                                finals[kind]["classifier.weight"])
-        resumed = _resume_in_new_process(kind, out, str(tmp_path / kind / "resumed.safetensors"))
+        jobs.append((kind, out, str(tmp_path / kind / "resumed.safetensors")))
+    _resume_in_a_new_process(jobs)
+    from safetensors.torch import load_file
+    for kind, _, result in jobs:
+        resumed = load_file(result)
         assert resumed.keys() == finals[kind].keys()
         for name, tensor in finals[kind].items():
             assert torch.equal(resumed[name], tensor), f"{kind}: {name} differs after resume"
@@ -115,6 +119,35 @@ def test_rotation_matches_the_stock_trainer(tmp_path, no_leaks, best):
                                  ["checkpoint-10", "checkpoint-8"]]
     for name, tensor in final["stock"].items():
         assert torch.equal(final["snapsvc"][name], tensor), name
+
+
+@pytest.mark.timeout(120)
+def test_overlap_mode_writes_the_same_checkpoints(tmp_path, no_leaks):
+    """overlap=True (the copy runs on behind training, the next optimizer step waits for it)
+    writes checkpoints equal to blocking mode's, tensor for tensor."""
+    states = {}
+    for mode in (False, True):
+        out = str(tmp_path / str(mode))
+        t = make_trainer("snapsvc", out, max_steps=6, snapsvc_options={"overlap": mode})
+        t.train()
+        assert t.snapsvc_writer.overlap is mode
+        t.close()
+        states[mode] = [snapsvc.load(os.path.join(out, c, STATE_FILE)) for c in _checkpoints(out)]
+    assert len(states[True]) == 2
+
+    def tensors(tree, prefix=""):
+        if isinstance(tree, torch.Tensor):
+            yield prefix, tree
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                yield from tensors(v, f"{prefix}/{k}")
+
+    for block, overlap in zip(states[False], states[True]):
+        pairs = dict(tensors({k: block[k] for k in ("model", "optimizer")}))
+        got = dict(tensors({k: overlap[k] for k in ("model", "optimizer")}))
+        assert pairs.keys() == got.keys() and len(pairs) > 40
+        for name, tensor in pairs.items():
+            assert torch.equal(got[name], tensor), name
 
 
 @pytest.mark.timeout(120)
