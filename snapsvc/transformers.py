@@ -33,7 +33,14 @@ being written, or left by a crash, is never under a name HF (or
 save. Because no write ever targets a ``checkpoint-*`` directory, rotation
 (HF's own ``rotate_checkpoints``, run by the committer right after each
 commit with the arguments the stock Trainer would pass) can neither delete a
-pending write nor keep a half-written one.
+pending write nor keep a half-written one, so per-file waits and removal
+(``SnapshotWriter.wait_path``, ``snapsvc.checkpoint_files``) are not needed.
+``load_best_model_at_end`` and the end-of-training pruning run after the
+pending commits (``_finalize_training`` drains first).
+
+``snapsvc_options={"overlap": True}``: ``_save_checkpoint`` returns before
+the parameters and optimizer state are copied; the trainer guards its
+optimizer so that the next step waits for the copy.
 
 Errors. A failed write (disk error, dead sidecar) removes its hidden
 directory and raises at the next save, or when training ends, as
