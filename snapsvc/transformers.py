@@ -80,7 +80,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from . import SnapshotWriter, WriteHandle, load
+from . import DistributedSnapshotWriter, SnapshotWriter, WriteHandle, load
+from .distributed import MANIFEST_NAME
 from .durable import fsync_dir
 from .errors import BrokenWriterError, SnapsvcError, WriteFailedError
 
@@ -97,7 +98,7 @@ _live: "weakref.WeakSet[SnapsvcTrainer]" = weakref.WeakSet()
 @dataclasses.dataclass
 class _Commit:
     handle: WriteHandle
-    staging: str
+    staging: str                        # "" on ranks that only wait for the manifest
     final: str
     run_dir: str
     files: list[str]                    # small files written by the trainer, to fsync
@@ -193,22 +194,34 @@ class SnapsvcTrainer(Trainer):
             return "XLA and SageMaker MP save through their own APIs"
         if self.args.push_to_hub:
             return "push_to_hub uploads the files of the stock layout"
-        if self.args.world_size > 1:
-            return ("runs of several processes are not supported (each rank would need its own "
-                    "sidecar and an all-ranks commit)")
+        if self.args.world_size > 1 and self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+            return "only torch.distributed runs of several processes are supported"
         return None
 
-    def _snapsvc_start(self) -> SnapshotWriter:
-        if self.snapsvc_writer is None:
+    @property
+    def _snapsvc_distributed(self) -> bool:
+        return self.args.world_size > 1
+
+    def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
+        if self.snapsvc_writer is None and not self._snapsvc_distributed:
             self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
+        elif self.snapsvc_writer is None:
+            # Every rank saves the same steps, so every rank is here. Leftovers of
+            # a crashed run are removed before any rank writes.
+            root = os.path.join(self.args.output_dir, STAGING_PREFIX + "ranks")
+            if self.args.should_save:
+                shutil.rmtree(root, ignore_errors=True)
+            torch.distributed.barrier()
+            self.snapsvc_writer = DistributedSnapshotWriter(root, **self.snapsvc_options).start()
+        local = getattr(self.snapsvc_writer, "writer", self.snapsvc_writer)
         # overlap=True: the parameter copy runs on while training goes on; the
         # optimizer's next step waits for it. Accelerate wraps the optimizer, and
         # step hooks fire on the torch optimizer inside.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        if self.snapsvc_writer.overlap and self._snapsvc_guarded is not inner:
+        if local.overlap and self._snapsvc_guarded is not inner:
             if self._snapsvc_guard is not None:
                 self._snapsvc_guard.remove()
-            self._snapsvc_guard = self.snapsvc_writer.guard(inner)
+            self._snapsvc_guard = local.guard(inner)
             self._snapsvc_guarded = inner
         if self._snapsvc_committer is None:
             self._snapsvc_committer = threading.Thread(
@@ -257,36 +270,57 @@ class SnapsvcTrainer(Trainer):
         if again:  # the same step saved twice: its first write must land first
             self._snapsvc_drain(self.drain_timeout)
             self._snapsvc_raise_failed()
-        self._snapsvc_remove_leftovers(run_dir)
-        os.makedirs(staging)
         self._snapsvc_note_best(run_dir, final)
         self._snapsvc_export_callback_states()
-        state: dict[str, Any] = {"model": self.model}
-        if not self.args.save_only_model:
-            state["optimizer"] = self.optimizer
-            state["scheduler"] = self.lr_scheduler
-            scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
-                state["scaler"] = scaler
-            state["rng"] = _rng_state(self.args.parallel_mode == ParallelMode.DISTRIBUTED)
-        state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
+        # As the stock Trainer: the main process saves model, optimizer, scheduler,
+        # scaler and trainer state; every rank its RNG states.
+        state: dict[str, Any] = {}
+        if self.args.should_save:
+            state["model"] = self.model
+            if not self.args.save_only_model:
+                state["optimizer"] = self.optimizer
+                state["scheduler"] = self.lr_scheduler
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    state["scaler"] = scaler
+            state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        if not self.args.save_only_model or not self.args.should_save:
+            state["rng"] = _rng_state(distributed)
+        files: list[str] = []
         try:
-            handle = writer.submit(state, os.path.join(staging, STATE_FILE))
-            # HF's own writers, into the hidden directory; the committer fsyncs them
-            files = [TRAINER_STATE_NAME]
-            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-            config = getattr(self.model, "config", None)
-            if hasattr(config, "to_json_file"):
-                config.to_json_file(os.path.join(staging, _CONFIG_FILE), use_diff=True)
-                files.append(_CONFIG_FILE)
+            if isinstance(writer, DistributedSnapshotWriter):
+                # rank<r>.fdl in <output_dir>/.snapsvc-ranks/step_<N>, committed by a
+                # manifest once every rank's file is durable; renamed by the main process
+                handle = writer.submit(state, self.state.global_step)
+                staging = handle.path
+            else:
+                self._snapsvc_remove_leftovers(run_dir)
+                os.makedirs(staging)
+                handle = writer.submit(state, os.path.join(staging, STATE_FILE))
+            if self.args.should_save:
+                files = self._snapsvc_write_json(staging)
+            else:
+                staging = ""   # another rank commits it; this one waits for the manifest
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # nothing was queued for it
+            if not self._snapsvc_distributed:
+                shutil.rmtree(staging, ignore_errors=True)  # nothing was queued for it
             raise
         item = _Commit(handle, staging, final, run_dir, files, self.args.should_save,
                        self.args.save_total_limit, self.state.best_model_checkpoint)
         with self._snapsvc_cond:
             self._snapsvc_pending[final] = item
         self._snapsvc_commits.put(item)
+
+    def _snapsvc_write_json(self, directory: str) -> list[str]:
+        """HF's own files, by HF's own writers, into the hidden directory (the committer
+        fsyncs them); their names."""
+        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
+        config = getattr(self.model, "config", None)
+        if not hasattr(config, "to_json_file"):
+            return [TRAINER_STATE_NAME]
+        config.to_json_file(os.path.join(directory, _CONFIG_FILE), use_diff=True)
+        return [TRAINER_STATE_NAME, _CONFIG_FILE]
 
     def _snapsvc_note_best(self, run_dir: str, final: str) -> None:
         """Set ``state.best_model_checkpoint`` as the stock Trainer does, counting
@@ -333,7 +367,8 @@ class SnapsvcTrainer(Trainer):
             try:
                 self._snapsvc_commit(item)
             except BaseException as e:  # the thread must go on; the trainer raises it
-                shutil.rmtree(item.staging, ignore_errors=True)
+                if item.staging:
+                    shutil.rmtree(item.staging, ignore_errors=True)
                 err = _named(e, item.final)
                 log.error("%s", err)
                 with self._snapsvc_cond:
@@ -347,6 +382,8 @@ class SnapsvcTrainer(Trainer):
     @staticmethod
     def _snapsvc_commit(item: _Commit) -> None:
         report = item.handle.result()   # resolves: written, failed, or the sidecar died
+        if not item.staging:
+            return
         if report.skipped:
             log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
             shutil.rmtree(item.staging, ignore_errors=True)
@@ -362,6 +399,8 @@ class SnapsvcTrainer(Trainer):
             os.rename(item.final, old)
         os.rename(item.staging, item.final)
         fsync_dir(item.run_dir)
+        if os.path.dirname(item.staging) != item.run_dir:
+            fsync_dir(os.path.dirname(item.staging))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if item.rotate:
@@ -399,21 +438,34 @@ class SnapsvcTrainer(Trainer):
         # Before the stock finalizer: it loads the best model, sorts and prunes
         # checkpoints and calls on_train_end, all of which need them committed.
         self._snapsvc_drain(self.drain_timeout)
-        self._snapsvc_raise_failed()
+        self._snapsvc_raise_failed()   # every rank's handle failed alike: all raise
+        if self._snapsvc_distributed and self.snapsvc_writer is not None:
+            torch.distributed.barrier()   # the main process has renamed the last one
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # -- loading --------------------------------------------------------------------
+    def _snapsvc_file(self, checkpoint: str, key: str) -> str:
+        """The file holding ``key``: the state file, or in a multi-rank checkpoint the main
+        process's (rank 0) and for RNG states this rank's."""
+        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+            return os.path.join(checkpoint, STATE_FILE)
+        rank = self.args.process_index if key == "rng" else 0
+        return os.path.join(checkpoint, f"rank{rank}.fdl")
+
     def _snapsvc_take(self, checkpoint: str, key: str, fresh: bool = False) -> Any:
-        """``key`` of ``checkpoint``'s state file (None if absent), handed out once: the
-        file is read at the start of a resume (``fresh``) and kept until the RNG state."""
-        path = os.path.join(checkpoint, STATE_FILE)
+        """``key`` of ``checkpoint`` (None if absent), handed out once: a file is read at
+        the start of a resume (``fresh``) and kept until the RNG state is taken."""
+        path = self._snapsvc_file(checkpoint, key)
+        if not os.path.isfile(path):
+            return None    # a rank of a run with more processes than the saving one
         if fresh or self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path:
             self._snapsvc_loaded = (path, load(path))
         return self._snapsvc_loaded[1].pop(key, None)
 
     @staticmethod
     def _snapsvc_ours(checkpoint: str | None) -> bool:
-        return checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE))
+        return checkpoint is not None and any(
+            os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:

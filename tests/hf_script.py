@@ -3,7 +3,8 @@
 ``python tests/hf_script.py KIND OUT RESULT [KIND OUT RESULT ...]`` resumes
 each run in ``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND
 ``stock``) or ``SnapsvcTrainer`` (``snapsvc``), trains to 8 steps and saves
-the final weights to RESULT (safetensors).
+the final weights to RESULT (safetensors). ``torchrun --nproc_per_node 2
+tests/hf_script.py --dist OUT RESULT``: see :func:`dist_main`.
 """
 
 from __future__ import annotations
@@ -77,9 +78,32 @@ def sleep_while(flag: str, seconds: float, stage: str, path: str) -> None:
         time.sleep(seconds)
 
 
+def dist_main(out: str, result: str) -> None:
+    """Under torchrun (gloo, CPU; 6 steps per epoch at world size 2): 8 steps with the
+    stock Trainer, then SnapsvcTrainer stopped at step 4 and resumed from its checkpoint
+    at step 3, mid-epoch, to 8; rank 0 saves the weights (RESULT.full, .cut, RESULT)."""
+    from safetensors.torch import save_file
+    full = make_trainer("stock", os.path.join(out, "full"), save_strategy="no",
+                        ddp_backend="gloo")
+    full.train()
+    cut = make_trainer("snapsvc", os.path.join(out, "cut"), callbacks=[StopAt(4)],
+                       ddp_backend="gloo")
+    cut.train()
+    cut.close()
+    resumed = make_trainer("snapsvc", os.path.join(out, "cut"), ddp_backend="gloo")
+    resumed.train(resume_from_checkpoint=True)
+    resumed.close()
+    if resumed.args.process_index == 0:
+        save_file(weights(full.model), result + ".full")
+        save_file(weights(cut.model), result + ".cut")
+        save_file(weights(resumed.model), result)
+
+
 def main() -> None:
     from safetensors.torch import save_file
     args = sys.argv[1:]
+    if args[0] == "--dist":
+        return dist_main(*args[1:])
     for kind, out, result in zip(args[::3], args[1::3], args[2::3]):
         trainer = make_trainer(kind, out)
         trainer.train(resume_from_checkpoint=True)

@@ -198,6 +198,31 @@ def test_sidecar_killed_during_a_save_leaves_nothing_resume_picks(tmp_path, no_l
     again.close()
 
 
+@pytest.mark.timeout(300)
+def test_distributed_world_size_2_on_gloo(tmp_path):
+    """torchrun, 2 CPU processes: each rank writes its file through its own sidecar, the
+    directory appears once the manifest commits both; a mid-epoch resume is bit-exact."""
+    from safetensors.torch import load_file
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = str(tmp_path / "final.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(HERE, "hf_script.py"), "--dist", str(tmp_path), result],
+        env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    full, cut, resumed = (load_file(result + s) for s in (".full", ".cut", ""))
+    assert not torch.equal(cut["classifier.weight"], full["classifier.weight"])
+    for name, tensor in full.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
+    out = tmp_path / "cut"
+    assert {"checkpoint-3", "checkpoint-6"} <= set(_checkpoints(str(out)))
+    assert {"manifest.msgpack", "rank0.fdl", "rank1.fdl", "trainer_state.json"} <= set(
+        os.listdir(out / "checkpoint-3"))
+    assert not os.listdir(out / (STAGING_PREFIX + "ranks"))   # no step left uncommitted
+    assert "rng" in snapsvc.load(str(out / "checkpoint-3" / "rank1.fdl"))
+
+
 @pytest.mark.timeout(60)
 def test_import_snapsvc_does_not_import_transformers():
     code = "import sys, snapsvc; assert 'transformers' not in sys.modules, 'imported'"
