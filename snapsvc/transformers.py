@@ -48,11 +48,20 @@ directory and raises at the next save, or when training ends, as
 checkpoint. ``save_model``, the end of training and :meth:`close` wait for
 pending commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
 
+Several processes (torchrun, DDP). Each rank submits its part through its
+own sidecar with :class:`snapsvc.DistributedSnapshotWriter`: rank 0 (HF's
+main process) the model, optimizer, scheduler, scaler, trainer state and its
+RNG states, every other rank its RNG states, into
+``<output_dir>/.snapsvc-ranks/step_<N>/rank<r>.fdl``. That writer commits
+the step with its manifest once every rank's file is durable; then the main
+process writes HF's JSON files there, fsyncs them and renames the directory
+to ``checkpoint-<N>`` (same filesystem). On resume every rank loads rank 0's
+file and its own RNG states, as the stock Trainer loads ``model.safetensors``
+and ``rng_state_<r>.pth``. ``output_dir`` must be shared by the ranks.
+
 Not covered, each falling back to the stock (synchronous) save with a
 warning: DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``, and runs of
-more than one process (the multi-rank commit of
-:class:`snapsvc.DistributedSnapshotWriter` writes its own ``step_<N>``
-layout from a module and has no hook for HF's directory names).
+several processes that are not torch.distributed.
 """
 
 from __future__ import annotations
