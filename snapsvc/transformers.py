@@ -44,8 +44,8 @@ optimizer so that the next step waits for the copy.
 
 Errors. A failed write (disk error, dead sidecar) removes its hidden
 directory and raises at the next save, or when training ends, as
-:class:`WriteFailedError` or :class:`BrokenWriterError` naming the
-checkpoint. ``save_model``, the end of training and :meth:`close` wait for
+:class:`WriteFailedError`, :class:`BrokenWriterError` or (several
+processes) :class:`DistributedCheckpointError`, naming the checkpoint. ``save_model``, the end of training and :meth:`close` wait for
 pending commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
 
 Several processes (torchrun, DDP). Each rank submits its part through its
@@ -92,7 +92,8 @@ from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 from . import DistributedSnapshotWriter, SnapshotWriter, WriteHandle, load
 from .distributed import MANIFEST_NAME
 from .durable import fsync_dir
-from .errors import BrokenWriterError, SnapsvcError, WriteFailedError
+from .errors import BrokenWriterError, DistributedCheckpointError, SnapsvcError, \
+    WriteFailedError
 
 __all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
 
@@ -129,6 +130,9 @@ def _named(err: BaseException, checkpoint: str) -> SnapsvcError:
     what = f"checkpoint {checkpoint} was not written, so it is not on disk"
     if isinstance(err, BrokenWriterError):
         out: SnapsvcError = BrokenWriterError(f"{what}: {err}")
+    elif isinstance(err, DistributedCheckpointError):
+        out = DistributedCheckpointError(f"{what}: {err}", step=err.step, failures=err.failures,
+                                         timed_out=err.timed_out)
     elif isinstance(err, OSError):
         out = WriteFailedError(err.errno or 0, f"{what}: {err.strerror or err}",
                                err.filename or checkpoint)
@@ -170,7 +174,9 @@ class SnapsvcTrainer(Trainer):
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
     for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
     ``fault_hook``, ...). The writer (:attr:`snapsvc_writer`) starts at the
-    first save and lives until :meth:`close` or interpreter exit.
+    first save and lives until :meth:`close` or interpreter exit; with
+    several processes it is a :class:`DistributedSnapshotWriter` (its
+    ``writer`` is this rank's SnapshotWriter), given the same options.
     """
 
     #: seconds save_model / the end of training / close() wait for pending commits
@@ -183,7 +189,7 @@ class SnapsvcTrainer(Trainer):
         if "directory" in self.snapsvc_options or "keep_last" in self.snapsvc_options:
             raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
                              "come from args.output_dir and rotation from save_total_limit")
-        self.snapsvc_writer: SnapshotWriter | None = None
+        self.snapsvc_writer: SnapshotWriter | DistributedSnapshotWriter | None = None
         self._snapsvc_commits: "queue.Queue[_Commit | None]" = queue.Queue()
         self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> its commit, until done
         self._snapsvc_failed: list[SnapsvcError] = []

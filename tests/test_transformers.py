@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytest.importorskip("accelerate")   # the Trainer needs it
 
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
