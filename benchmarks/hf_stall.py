@@ -3,15 +3,16 @@
 A BERT of about 100 MiB of float32 parameters (AdamW: about 300 MiB of state
 per checkpoint) trains on random token ids on the CPU; a checkpoint every
 ``--every`` steps. The stall is the time spent inside ``_save_checkpoint``
-plus, in overlap mode, the time the next optimizer step waits for the copy. The stock Trainer returns once its files
-are in the page cache (it does not fsync); SnapsvcTrainer returns once the
-state is copied into shared memory, and its checkpoint directory appears once
-the sidecar made it durable; with ``overlap=True`` it returns before the
-parameters and optimizer state are copied (the next optimizer step waits for
-the copy). ``drain`` is the wait at the end of training for the last commits. The first snapsvc save also starts the sidecar and
-allocates the slots, so it is reported apart and left out of the median.
+plus, in overlap mode, the time the next optimizer step waits for the copy.
+The stock Trainer returns once its files are in the page cache (it does not
+fsync); SnapsvcTrainer returns once the state is copied into shared memory
+(with ``overlap=True``, before the parameters and optimizer state are), and
+its checkpoint directory appears once the sidecar made it durable. ``drain``
+is the wait at the end of training for the last commits. The first snapsvc
+save also starts the sidecar and allocates the slots, so it is reported
+apart and left out of the median.
 
-    python benchmarks/hf_stall.py [--steps 30 --every 5 --out benchmarks/results/DATE-hf.txt]
+    python benchmarks/hf_stall.py [--steps 20 --every 4 --out benchmarks/results/DATE-hf.txt]
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ optimizer so that the next step waits for the copy.
 Errors. A failed write (disk error, dead sidecar) removes its hidden
 directory and raises at the next save, or when training ends, as
 :class:`WriteFailedError`, :class:`BrokenWriterError` or (several
-processes) :class:`DistributedCheckpointError`, naming the checkpoint. ``save_model``, the end of training and :meth:`close` wait for
-pending commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
+processes) :class:`DistributedCheckpointError`, naming the checkpoint.
+``save_model``, the end of training and :meth:`close` wait for pending
+commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
 
 Several processes (torchrun, DDP). Each rank submits its part through its
 own sidecar with :class:`snapsvc.DistributedSnapshotWriter`: rank 0 (HF's
