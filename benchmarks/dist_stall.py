@@ -6,14 +6,19 @@ against DCP's ``async_save`` (PROCESS checkpointer, reused DefaultStager), one r
 
 Each rank is a spawned process on gloo (CPU) holding its own model of the
 named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
-tensors of 32 KiB). For each model the ranks alternate the two methods,
-``--reps`` times each after one untimed warm-up (which starts the sidecars,
-DCP's checkpoint process and its gloo group, and allocates the staging
-memory), with a barrier before every save so ranks start together:
+tensors of 32 KiB), or its shards of one global model (``fsdp<N>M``: N MiB
+global of ``Linear(4096, 4096)`` layers, each ``fully_shard``-ed with FSDP2,
+so each rank holds N / world MiB of DTensor shards). For each model the ranks
+alternate the two methods, ``--reps`` times each after one untimed warm-up
+(which starts the sidecars, DCP's checkpoint process and its gloo group, and
+allocates the staging memory), with a barrier before every save so ranks
+start together:
 
 * ``snapsvc``: ``DistributedSnapshotWriter.submit(model, step)``: the copy
-  into a shared-memory slot; the sidecar writes ``step_<N>/rank<r>.fdl``,
-  rank 0 the manifest once every rank's file is durable.
+  into a shared-memory slot (for FSDP2: of each rank's local shards); the
+  sidecar writes ``step_<N>/rank<r>.fdl``, rank 0 the manifest once every
+  rank's file is durable (for FSDP2 after each rank read its file back for
+  the per-entry CRC-32s).
 * ``dcp``: ``torch.distributed.checkpoint.async_save({"model": sd},
   checkpoint_id=dir, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
   async_stager=<one DefaultStager per model, reused>)`` with
@@ -21,7 +26,8 @@ memory), with a barrier before every save so ranks start together:
   use_async_staging=False, use_non_blocking_copy=False)`` (the two
   accelerator options raise or are ignored without CUDA; synchronous staging
   is the better choice on CPU, where nothing overlaps the copy). It returns
-  once the state dict is copied into the stager's shared memory.
+  once the state dict is copied into the stager's shared memory. For FSDP2
+  ``model.state_dict()`` holds the DTensor shards, which DCP saves as such.
 
 Stall is the time the training loop is held by that call. ``durable`` is from
 the call to the checkpoint being complete on every rank: snapsvc's handle
@@ -61,8 +67,16 @@ WAIT_S = 600.0
 
 
 def build_model(spec: str, seed: int) -> nn.Module:
-    """Same shapes as benchmarks/stall.py."""
+    """Same shapes as benchmarks/stall.py, or an FSDP2-sharded stack of Linear layers."""
     torch.manual_seed(seed)
+    if spec.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+        layers = max(1, round((int(spec[4:-1]) << 20) / (4096 * 4097 * 4)))
+        torch.manual_seed(0)   # one global model: the same on every rank
+        m = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(layers)))
+        for layer in m:
+            fully_shard(layer)
+        return fully_shard(m)
     if spec.startswith("small"):
         sizes = [(32 << 10) // 4] * (int(spec.split(":")[1]) if ":" in spec else 4096)
     else:
@@ -165,7 +179,8 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                                 timeout=timedelta(seconds=WAIT_S))
         for spec in specs:
             model = build_model(spec, 1000 + rank)
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+            nbytes = sum(p.numel() * p.element_size() for p in local)
             d = os.path.join(base, spec)
             methods = [Snapsvc(os.path.join(d, "snapsvc")), Dcp(os.path.join(d, "dcp"))]
             rec = {m.name: {"stall_s": [], "durable_s": []} for m in methods}
@@ -225,7 +240,7 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--models", nargs="+", default=["64M", "small"])
+    ap.add_argument("--models", nargs="+", default=["64M", "small", "fsdp256M"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")

@@ -1,6 +1,6 @@
 """The peer checkpoint methods that benchmarks/stall.py compares snapsvc against.
 
-Three methods behind one interface (:class:`Method`), fresh instances from
+Four methods behind one interface (:class:`Method`), fresh instances from
 :func:`peer_methods`:
 
 1. ``torch.save``       synchronous ``torch.save`` + fsync, on the caller.
@@ -11,8 +11,10 @@ Three methods behind one interface (:class:`Method`), fresh instances from
                         ``AsyncCheckpointerType.PROCESS`` and one reused
                         ``DefaultStager`` staging into shared memory, at world
                         size 1 on gloo (its best CPU setting).
+4. ``torchsnapshot``    ``torchsnapshot.Snapshot.async_take`` (optional:
+                        ``pip install torchsnapshot==0.1.0``, benchmark only).
 
-Timing contract, the same for all three:
+Timing contract, the same for all four:
 
 * ``setup`` is one-time and untimed (thread / stager / process start, plus a
   warm-up save where the method has caches to fill); its seconds are kept in
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import resource
 import shutil
@@ -56,7 +59,8 @@ from torch import nn
 
 from snapsvc.durable import fsync_dir
 
-__all__ = ["Method", "TorchSaveSync", "ThreadAsync", "DcpProcessAsync", "peer_methods"]
+__all__ = ["Method", "TorchSaveSync", "ThreadAsync", "DcpProcessAsync", "TorchSnapshotAsync",
+           "TORCHSNAPSHOT_PIN", "peer_methods"]
 
 WAIT_S = 600.0  # upper bound on every wait on a background save
 
@@ -383,6 +387,88 @@ class DcpProcessAsync:
                 self._old_nofile = None
 
 
+# --------------------------------------------------------------------------- 4. torchsnapshot
+
+TORCHSNAPSHOT_PIN = "torchsnapshot==0.1.0"  # its last PyPI release; runs on CPU with torch 2.13
+
+
+class TorchSnapshotAsync:
+    """torchsnapshot's ``Snapshot.async_take(path, {"model": model})``.
+
+    ``async_take`` returns once it holds a consistent copy of the tensors
+    (checked by the self-test: the model is mutated right after ``save``);
+    the write goes on in its own thread. torchsnapshot does not fsync, so
+    ``wait_durable`` fsyncs every file and directory of the snapshot (timed:
+    the same bar as the others). Optional: ``pip install torchsnapshot==0.1.0``;
+    ``setup`` raises ImportError without it.
+    """
+
+    name = "torchsnapshot"
+
+    def __init__(self) -> None:
+        self.setup_s = 0.0
+        self._dir = ""
+        self._pending = None  # torchsnapshot.snapshot.PendingSnapshot
+        self._t0 = 0.0
+        self._last_s: float | None = None
+        self._seq = 0
+        self._paths: list[str] = []
+        self.last_path: str | None = None
+
+    def setup(self, model: nn.Module, directory: str) -> None:
+        import torchsnapshot  # noqa: F401 - ImportError: the caller skips this peer
+
+        t0 = time.perf_counter()
+        self._dir = directory
+        self.save(model, -1)  # warm-up: its thread and event loop
+        self.wait_durable()
+        self._prune(keep=0)
+        self.setup_s = time.perf_counter() - t0
+
+    def save(self, model: nn.Module, step: int) -> None:
+        from torchsnapshot import Snapshot
+
+        t0 = time.perf_counter()
+        self._finish()  # one in flight
+        self._seq += 1
+        path = os.path.join(self._dir, f"ts_{self._seq:05d}")
+        self._pending = Snapshot.async_take(path=path, app_state={"model": model})
+        self._t0, self._last_s = t0, None
+        self._paths.append(path)
+        self.last_path = path
+
+    def _finish(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.wait()
+        assert self.last_path is not None
+        for root, dirs, files in os.walk(self.last_path, topdown=False):
+            for name in files:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(root)
+        fsync_dir(self._dir)
+        self._last_s = time.perf_counter() - self._t0
+
+    def wait_durable(self) -> float:
+        self._finish()
+        if self._last_s is None:
+            raise RuntimeError("wait_durable() before any save()")
+        self._prune(keep=1)  # untimed: delete older snapshots
+        return self._last_s
+
+    def _prune(self, keep: int) -> None:
+        while len(self._paths) > keep:
+            shutil.rmtree(self._paths.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        self._finish()
+
+
 def _stop_checkpoint_process(ape, timeout: float = 30.0) -> None:
     """Stop DCP's module-global checkpoint process: TERMINATE over its pipe,
     then SIGTERM, then SIGKILL, each with a timeout; never hangs."""
@@ -410,8 +496,12 @@ def _stop_checkpoint_process(ape, timeout: float = 30.0) -> None:
 
 
 def peer_methods() -> list[Method]:
-    """Fresh instances of the three peers, in the issue's order."""
-    return [TorchSaveSync(), ThreadAsync(), DcpProcessAsync()]
+    """Fresh instances of the peers, in the issue's order; torchsnapshot only
+    where it is installed."""
+    methods: list[Method] = [TorchSaveSync(), ThreadAsync(), DcpProcessAsync()]
+    if importlib.util.find_spec("torchsnapshot") is not None:
+        methods.append(TorchSnapshotAsync())
+    return methods
 
 
 # --------------------------------------------------------------------------- self-test
@@ -446,6 +536,11 @@ def _load(method: Method, like: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         out = {k: torch.full_like(v, float("nan")) for k, v in like.items()}
         dcp.load({"model": out}, checkpoint_id=path)  # same nesting as save(); loads in place
         return out
+    if isinstance(method, TorchSnapshotAsync):
+        from torchsnapshot import Snapshot, StateDict
+        holder = StateDict({k: torch.full_like(v, float("nan")) for k, v in like.items()})
+        Snapshot(path=path).restore(app_state={"model": holder})
+        return dict(holder)
     return torch.load(path, weights_only=True)
 
 

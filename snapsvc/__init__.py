@@ -3,6 +3,17 @@
 Files are flodl's ``.fdl`` format (version 2), byte for byte.
 """
 
+import warnings
+
+# torch warns "Failed to initialize NumPy" at import when numpy is absent,
+# which snapsvc never needs (a fresh install has no numpy). Silence exactly
+# that warning, only while torch is first imported here, so every snapsvc
+# process (the CLI, each sidecar) starts quietly and the user's own warning
+# filters are left as they were.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from .checkpoint import (
     Checkpoint,
     LoadReport,
@@ -39,8 +50,10 @@ from .errors import (
     DistributedCheckpointError,
     EncodeError,
     FormatError,
+    PathError,
     UnsupportedStateError,
     ShapeMismatchError,
+    SlotBudgetError,
     SnapsvcError,
     StrictLoadError,
     WorldSizeMismatchError,
@@ -86,10 +99,12 @@ __all__ = [
     "SnapsvcError",
     "FormatError",
     "EncodeError",
+    "PathError",
     "UnsupportedStateError",
     "ArchitectureMismatchError",
     "ShapeMismatchError",
     "StrictLoadError",
+    "SlotBudgetError",
     "BrokenWriterError",
     "WriteFailedError",
     "DistributedCheckpointError",

@@ -30,8 +30,9 @@ from . import __version__
 from .checkpoint import migrate_checkpoint
 from .convert import FileInfo, convert_file, describe_file, file_format
 from .errors import SnapsvcError
-from .meta import meta_path, read_meta
-from .verify import verify
+from .meta import META_SUFFIX, meta_path, read_meta
+from .resume import optim_path
+from .verify import VerifyReport, verify
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INCOMPLETE", "Command", "COMMANDS",
            "register", "build_parser", "main", "ProgressBar", "UsageError"]
@@ -262,7 +263,21 @@ def _inspect_json(info: FileInfo, meta: dict | None, meta_error: str | None) -> 
         "meta": meta,
         "meta_error": meta_error,
     }
-    return json.dumps(doc, default=str)
+    return json.dumps(_strict_json(doc), default=str, allow_nan=False)
+
+
+def _strict_json(value: object) -> object:
+    """``value`` ready for strict JSON: every non-finite float (a diverged loss, say)
+    becomes the string "NaN", "Infinity" or "-Infinity", which keeps which one it
+    was (``float()`` reads each back), and a map key JSON cannot hold its ``str``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int)) or k is None else str(_strict_json(k)):
+                _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
@@ -325,7 +340,9 @@ def _inspect_text(info: FileInfo, meta: dict | None, meta_error: str | None) -> 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help=".fdl, .fdl.gz or .safetensors (a .pt file "
                    "is loaded, weights only)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one strict JSON object; a "
+                   "non-finite number (e.g. a NaN loss) is the string \"NaN\", \"Infinity\" "
+                   "or \"-Infinity\"")
 
 
 @register("inspect", help="show a checkpoint's version, hash, entries and metadata",
@@ -351,23 +368,75 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not require <FILE>.meta (still checked when present)")
 
 
+def _part_of(path: str) -> tuple[str, str] | None:
+    """(checkpoint, role) when ``path`` is the metadata or the optimizer file
+    written beside a checkpoint; None for a checkpoint (or anything else)."""
+    if os.path.exists(meta_path(path)):
+        return None  # it has metadata of its own: a checkpoint
+    if path.endswith(META_SUFFIX):
+        return path[: -len(META_SUFFIX)], "metadata"
+    head, sep, tail = path.rpartition(".optim")
+    owner = head + tail
+    if sep and optim_path(owner) == path and (os.path.exists(owner)
+                                              or os.path.exists(meta_path(owner))):
+        return owner, "optimizer file"
+    return None
+
+
 @register("verify", help="check checkpoints' structure, size and CRC-32",
           description="Check each checkpoint's structure and, from its <FILE>.meta, its size, "
-          "CRC-32, entry count and hash. Prints one line per file (OK) or per problem; exits "
+          "CRC-32, entry count and hash, and those of its optimizer file. A .meta or "
+          "optimizer file given on its own is checked as part of its checkpoint (so "
+          "'verify checkpoints/*' works). Prints one line per file (OK) or per problem; exits "
           "1 if any file fails.", arguments=_verify_arguments)
 def _verify(args: argparse.Namespace) -> int:
+    reports: dict[str, VerifyReport] = {}  # by checkpoint: each is read once
+    given = set(args.files)
     failed = 0
     n = len(args.files)
     with ProgressBar(unit="files") as bar:
         for i, path in enumerate(args.files):
             bar(f"verifying {os.path.basename(path)}", i, n)
-            report = verify(path, require_meta=not args.no_meta)
+            part = _part_of(path)
+            owner = path if part is None else part[0]
+            first = owner not in reports
+            if first:
+                reports[owner] = verify(owner, require_meta=not args.no_meta)
+            report = reports[owner]
             bar.clear()
-            print(report, flush=True)
-            failed += not report.ok
+            if part is None:
+                lines, ok = [str(report)], report.ok
+            else:
+                # the checkpoint's problems, once, unless it is listed itself
+                shown = [str(report)] if first and owner not in given and not report.ok else []
+                lines, ok = _verify_part(path, part[1], report, args.no_meta)
+                lines = shown + lines
+            print("\n".join(lines), flush=True)
+            failed += not ok
     if n > 1:
         print(f"{n - failed} of {n} files OK" + (f", {failed} failed" if failed else ""))
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _verify_part(path: str, role: str, report: VerifyReport, no_meta: bool
+                 ) -> tuple[list[str], bool]:
+    """The lines for a metadata or optimizer file whose checkpoint gave ``report``, and
+    whether it passed. It passes with its checkpoint, when the checkpoint checked it."""
+    owner = report.path
+    if role == "optimizer file":
+        if report.meta is None:
+            if no_meta:  # no metadata vouches for it: check its structure on its own
+                alone = verify(path, require_meta=False)
+                return [str(alone)], alone.ok
+        else:
+            opt = report.meta.optimizer
+            named = opt.get("file") if isinstance(opt, dict) else None
+            if named != os.path.basename(path):
+                return [f"{path}: FAILED: not the optimizer file of {owner} (its metadata "
+                        f"names {named or 'none'}): a leftover of an earlier write?"], False
+    if report.ok:
+        return [f"{path}: OK, checked as the {role} of {owner}"], True
+    return [f"{path}: FAILED, checked as the {role} of {owner} (see its problems)"], False
 
 
 # -- convert ------------------------------------------------------------------------
@@ -465,6 +534,24 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default 25)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
+
+
+def _consolidate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("step_dir", metavar="STEP_DIR",
+                   help="a complete step_<N> directory saved from a sharded (FSDP2/DTensor) model")
+    p.add_argument("dst", metavar="DST", help="the .fdl or .fdl.gz to write")
+
+
+@register("consolidate", help="merge a sharded multi-rank checkpoint into one .fdl",
+          description="Write the full, unsharded model of a sharded checkpoint (STEP_DIR, "
+          "written by DistributedSnapshotWriter from FSDP2/DTensor parameters) to DST under the "
+          "model's own names, with DST.meta and, when the optimizer was saved, its .optim.fdl "
+          "beside it. Every piece is checked against the manifest's CRC-32 first; DST is "
+          "written atomically. Prints DST.", arguments=_consolidate_arguments)
+def _consolidate(args: argparse.Namespace) -> int:
+    from .distributed import consolidate  # torch.distributed only when needed
+    print(consolidate(args.step_dir, args.dst))
+    return EXIT_OK
 
 
 @register("demo", help="train a small CPU model with sidecar checkpoints, then restore",

@@ -36,6 +36,15 @@ NCCL and on other threads. Checkpoints are coordinated in submit order, so
 every rank must submit the same steps in the same order; the gathered step
 numbers are compared and a mismatch fails the checkpoint.
 
+Sharded models. When the model's parameters are DTensors (FSDP2,
+tensor parallelism), each rank stages only its local pieces of parameters,
+optimizer state and buffers (a block held by several ranks is written by one
+of them), and the manifest records, per piece, where it lies in the global
+tensor, in the rank file and its CRC-32; :func:`restore_distributed` then
+reshards at any world size, reading only the entries each rank needs, and
+:func:`consolidate` writes the whole model as one ``.fdl``. See
+docs/distributed.md, "Sharded models".
+
 Failures. A rank whose write fails (disk error, its sidecar died, its write
 not durable within ``write_timeout``) still joins the exchange and reports
 why: no manifest is written, every rank's handle fails with the same
@@ -52,12 +61,16 @@ restarts).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import logging
+import math
 import operator
 import os
 import queue
 import re
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -72,16 +85,19 @@ from isal import isal_zlib
 from torch import nn
 
 from . import fdl
-from .checkpoint import LoadReport
+from .checkpoint import LoadReport, layout_hash, model_tensors, persistent_buffers
 from .client import SnapshotWriter, WriteHandle, WriteReport
 from .durable import atomic_write, fsync_dir
-from .errors import DistributedCheckpointError, FormatError, WorldSizeMismatchError
-from .meta import meta_path, read_meta, read_msgpack_file
-from .resume import restore
+from .errors import (DistributedCheckpointError, FormatError, ShapeMismatchError,
+                     StrictLoadError, WorldSizeMismatchError)
+from .meta import Meta, meta_path, read_meta, read_msgpack_file, write_with_meta
+from .resume import optim_path, optimizer_state, optimizer_state_dict, restore
+from .snapshot import ModelSnapshot
+from .state import check_plain
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",
-           "Manifest", "RankFile", "MANIFEST_NAME", "latest_checkpoint", "read_manifest",
-           "restore_distributed", "step_dir"]
+           "Manifest", "RankFile", "MANIFEST_NAME", "consolidate", "latest_checkpoint",
+           "read_manifest", "restore_distributed", "step_dir"]
 
 log = logging.getLogger("snapsvc")
 
@@ -113,6 +129,8 @@ class RankFile:
     size: int                      # bytes on disk
     crc32: int                     # of those bytes
     optim: dict[str, Any] | None = None  # {"file", "size", "crc32"} of the optimizer file
+    # sharded checkpoints: one record per entry of ``file`` (see docs/distributed.md)
+    entries: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -127,6 +145,9 @@ class Manifest:
     created: float = field(default_factory=time.time)
     epoch: int | None = None       # rank 0's; each rank's own is in its .meta
     metrics: dict[str, float] = field(default_factory=dict)  # rank 0's
+    # sharded checkpoints: {"params", "buffers": names in model order, "optimizer": its
+    # class, param groups and non-tensor state (snapsvc.resume), or None}
+    sharded: dict[str, Any] | None = None
     path: str = ""
 
 
@@ -242,12 +263,9 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 
 # -- restore ----------------------------------------------------------------------
 def _file_crc(path: str) -> tuple[int, int]:
-    crc, size = 0, 0
     with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            crc = isal_zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
+        size = os.fstat(f.fileno()).st_size
+        return size, _crc_of(f, size)
 
 
 def _rank_and_world(process_group: Any) -> tuple[int, int]:
@@ -268,21 +286,34 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
     """Restore this rank's part of a complete multi-rank checkpoint.
 
     ``path`` is a ``step_<N>`` directory (as :func:`latest_checkpoint`
-    returns). The manifest's world size must equal
-    ``dist.get_world_size(process_group)`` (1 when torch.distributed is not
-    initialized): a different one is refused with
-    :class:`WorldSizeMismatchError`; resharding is not supported. This rank's
-    file (and optimizer file) must have the recorded size and, with
-    ``verify``, CRC-32. Then :func:`snapsvc.restore` loads it; the report's
-    ``epoch``, ``metrics`` and ``extra`` are this rank's. Local: no collective
-    is run; a rank that raises should stop the job.
+    returns). Local: no collective is run; a rank that raises should stop
+    the job. Nothing in the model or optimizer changes unless every check
+    passes. The report's ``epoch``, ``metrics`` and ``extra`` are this rank's
+    (rank 0's for a rank the checkpoint did not have).
+
+    A checkpoint saved from a sharded model (FSDP2, DTensor) restores at any
+    world size and mesh, into a sharded model or a plain one: each DTensor
+    gets the block of the global tensor its placements give this rank, a
+    plain tensor the whole global tensor. Only the entries overlapping those
+    blocks are read (byte ranges of the rank files, from the manifest), each
+    checked against its recorded CRC-32 with ``verify``; the optimizer state
+    (``optimizer``) is resharded like its parameters.
+
+    Any other checkpoint restores only at the world size that saved it
+    (``dist.get_world_size(process_group)``, 1 when torch.distributed is not
+    initialized; else :class:`WorldSizeMismatchError`): this rank's file (and
+    optimizer file) must have the recorded size and, with ``verify``, CRC-32,
+    then :func:`snapsvc.restore` loads it.
     """
     m = read_manifest(path)
     rank, world = _rank_and_world(process_group)
+    if m.sharded is not None:
+        return _restore_sharded(m, model, optimizer, rank, strict, verify)
     if m.world_size != world:
         raise WorldSizeMismatchError(
             f"{m.path}: checkpoint was saved by {m.world_size} ranks but the current world size "
-            f"is {world}; snapsvc restores each rank's own file and does not reshard",
+            f"is {world}; a checkpoint of a model that is not sharded (DTensor) is restored "
+            "rank by rank from its own file",
             saved=m.world_size, current=world)
     entry = m.ranks[rank]
     file = os.path.join(m.path, entry.file)
@@ -301,6 +332,394 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
             raise FormatError(f"CRC-32 {actual_crc:08x}, the manifest says {crc:08x}: the file "
                               "changed after the checkpoint was committed", path=p)
     return restore(file, model, optimizer, strict=strict)
+
+
+# -- sharded tensors (DTensor: FSDP2, tensor parallelism) ------------------------------
+# A sharded rank file's .meta extra is {SHARDS_KEY: its piece records, "extra": the caller's}.
+SHARDS_KEY = "snapsvc_shards"
+_DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
+
+
+def _dtensor_type() -> Any:
+    """``DTensor`` if its module is loaded, else None: no tensor can be one then, and a
+    job without DTensors does not pay for importing it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Where this rank's piece of a DTensor of one shape, mesh and placements lies."""
+
+    writes: bool             # False: a replica that a rank at coordinate 0 writes
+    offsets: list[int]       # in the global tensor, padding excluded
+    lengths: list[int]
+    mesh: list[int]
+    placements: list[str]    # "S<dim>", "R"
+
+
+@functools.lru_cache(maxsize=1 << 12)   # per submit, thousands of tensors share a few specs
+def _block(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> _Block | None:
+    """This rank's block of a DTensor; None when the mesh excludes this rank.
+
+    The lengths exclude FSDP2's padding of uneven shards, as ``to_local()``
+    does. Placements other than ``Shard(dim)`` and ``Replicate()`` are refused.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    texts = []
+    for p in placements:
+        if type(p) is Shard:   # not _StridedShard (FSDP2 over TP): its piece is not one block
+            texts.append(f"S{p.dim}")
+        elif type(p) is Replicate:
+            texts.append("R")
+        else:
+            raise ValueError(f"placement {p!r} cannot be checkpointed by snapsvc (Shard(dim) and "
+                             "Replicate() can); redistribute the tensor, or full_tensor() it, "
+                             "first")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return _Block(not any(c != 0 and p == "R" for c, p in zip(coord, texts)),
+                  [int(o) for o in offsets], [int(n) for n in lengths], list(mesh.shape), texts)
+
+
+def _block_of(t: Any, name: str) -> _Block | None:
+    try:
+        return _block(t.shape, t.device_mesh, tuple(t.placements))
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}") from None
+
+
+def _piece(name: str, kind: str, t: torch.Tensor, rank: int
+           ) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """This rank's piece of ``t`` and its record, or None when another rank writes it.
+
+    A block held by several ranks (``Replicate()`` on a mesh dimension, or a
+    plain tensor, which every rank holds) is written once: by the rank at
+    coordinate 0 of each replicating mesh dimension, or by rank 0.
+    """
+    shape = list(t.shape)
+    if _is_dtensor(t):
+        b = _block_of(t, name)
+        if b is None or not b.writes:
+            return None
+        local = t.to_local()   # under _shard_plan's no_grad: no autograd view
+        if list(local.shape) != b.lengths:
+            raise ValueError(f"{name!r}: local shard has shape {list(local.shape)}, its placements "
+                             f"{b.placements} on mesh {b.mesh} give {b.lengths}")
+        offsets, lengths, mesh, placements = b.offsets, b.lengths, b.mesh, b.placements
+    else:
+        if rank != 0:
+            return None
+        local, offsets, lengths, mesh, placements = t.detach(), [0] * len(shape), shape, None, None
+    if math.prod(lengths) == 0 and math.prod(shape) != 0:
+        return None             # an empty shard (more ranks than rows): nothing to write
+    return local, {"name": name, "kind": kind, "shape": shape,
+                   "dtype": str(t.dtype).removeprefix("torch."), "mesh": mesh,
+                   "placements": placements, "offsets": offsets, "lengths": lengths}
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return _dtensor_type() is not None and any(_is_dtensor(p) for p in model.parameters())
+
+
+@torch.no_grad()
+def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
+                ) -> tuple[ModelSnapshot, list[dict[str, Any]], dict[str, Any]]:
+    """What this rank stages: its pieces of parameters, optimizer state and buffers as a
+    snapshot (one copy pass), their records in file order, and the model's description."""
+    named = list(model.named_parameters())
+    buffers = list(persistent_buffers(model))
+    optim, info = [], None
+    if optimizer is not None:
+        optim, info = optimizer_state(optimizer, {id(p): n for n, p in named})
+    first: dict[str, torch.Tensor] = {}    # params, then optimizer state: before the buffers
+    rest: dict[str, torch.Tensor] = {}
+    records: list[dict[str, Any]] = []
+    for kind, pairs, out in (("param", named, first), ("optim", optim, first),
+                             ("buffer", buffers, rest)):
+        for name, t in pairs:
+            piece = _piece(name, kind, t, rank)
+            if piece is not None:
+                out[name] = piece[0]
+                records.append(piece[1])
+    desc = {"params": [n for n, _ in named], "buffers": [n for n, _ in buffers],
+            "optimizer": info}
+    return ModelSnapshot(first, rest), records, desc
+
+
+def _crc_of(f: Any, n: int, crc: int = 0) -> int:
+    """CRC-32 of the next ``n`` bytes of ``f``; FormatError if it ends first."""
+    left = n
+    while left:
+        chunk = f.read(min(left, 16 << 20))
+        if not chunk:
+            raise FormatError(f"truncated: {n} bytes wanted, {n - left} read", path=f.name)
+        crc = isal_zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+def _entry_table(path: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with where each entry lies in ``path`` and its CRC-32, read back
+    from the file just written (offsets from the entry headers; the CRC covers
+    the entry's header and data, so a reader checks both with one range)."""
+    with open(path, "rb") as f:
+        dec = fdl.Decoder(f, size=os.fstat(f.fileno()).st_size, seekable=True, path=path)
+        found = list(dec.entries(load=False))
+        if [e.name for e in found] != [r["name"] for r in records]:
+            raise FormatError("the file's entries are not the pieces staged for it", path=path)
+        out = []
+        for e, r in zip(found, records):
+            f.seek(e.offset)
+            end = e.data_offset + e.nbytes
+            out.append({**r, "offset": e.offset, "data": e.data_offset, "end": end,
+                        "crc32": _crc_of(f, end - e.offset)})
+    return out
+
+
+@dataclass
+class _Piece:
+    file: str
+    offset: int
+    data: int
+    end: int
+    crc32: int
+    offsets: list[int]
+    lengths: list[int]
+
+
+@dataclass
+class _Global:
+    """One saved tensor, as the union of its pieces."""
+
+    name: str
+    kind: str
+    shape: list[int]
+    dtype: torch.dtype
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+def _globals(m: Manifest) -> dict[str, _Global]:
+    """Every saved tensor of a sharded checkpoint, by name, with the pieces that hold it."""
+    out: dict[str, _Global] = {}
+    where = os.path.join(m.path, MANIFEST_NAME)
+    for rf in m.ranks:
+        for r in rf.entries or ():
+            try:
+                name, shape = r["name"], [int(d) for d in r["shape"]]
+                dtype = _DTYPES[r["dtype"]]
+                piece = _Piece(os.path.join(m.path, rf.file), int(r["offset"]), int(r["data"]),
+                               int(r["end"]), int(r["crc32"]), [int(o) for o in r["offsets"]],
+                               [int(n) for n in r["lengths"]])
+                g = out.setdefault(name, _Global(name, r["kind"], shape, dtype))
+            except (KeyError, TypeError, ValueError) as e:
+                raise FormatError(f"rank {rf.rank}'s entry table is malformed ({e!r})",
+                                  path=where) from None
+            ok = (g.shape == shape and g.dtype == dtype and len(piece.offsets) == len(shape)
+                  == len(piece.lengths) and piece.offset <= piece.data <= piece.end
+                  and piece.end - piece.data == math.prod(piece.lengths) * dtype.itemsize
+                  and all(0 <= o and o + n <= d
+                          for o, n, d in zip(piece.offsets, piece.lengths, shape)))
+            if not ok:
+                raise FormatError(f"rank {rf.rank}'s piece of {name!r} (offsets {piece.offsets}, "
+                                  f"lengths {piece.lengths}) does not fit the tensor's shape "
+                                  f"{g.shape} and dtype", path=where)
+            g.pieces.append(piece)
+    return out
+
+
+class _PieceReader:
+    """Reads pieces by byte range, checking each against the manifest's size and CRC-32."""
+
+    def __init__(self, sizes: dict[str, int], verify: bool) -> None:
+        self._sizes = sizes
+        self._verify = verify
+        self._files: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> "_PieceReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def _open(self, path: str) -> Any:
+        f = self._files.get(path)
+        if f is None:
+            f = open(path, "rb")
+            self._files[path] = f
+            actual = os.fstat(f.fileno()).st_size
+            if actual != self._sizes[path]:
+                raise FormatError(f"{actual} bytes, the manifest says {self._sizes[path]}",
+                                  path=path)
+        return f
+
+    def read(self, g: _Global, p: _Piece) -> torch.Tensor:
+        shape = p.lengths
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=g.dtype)
+        f = self._open(p.file)
+        f.seek(p.offset)
+        head = f.read(p.data - p.offset)
+        data = bytearray(p.end - p.data)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            k = f.readinto(view[got:])
+            if not k:
+                raise FormatError("truncated inside the entry", path=p.file, offset=p.offset,
+                                  entry=g.name)
+            got += k
+        self.bytes_read += len(head) + len(data)
+        if self._verify:
+            crc = isal_zlib.crc32(data, isal_zlib.crc32(head))
+            if len(head) != p.data - p.offset or crc != p.crc32:
+                raise FormatError(f"CRC-32 {crc:08x} of the entry, the manifest says "
+                                  f"{p.crc32:08x}: the file changed after the checkpoint was "
+                                  "committed", path=p.file, offset=p.offset, entry=g.name)
+        return torch.frombuffer(data, dtype=g.dtype).view(shape)
+
+    def assemble(self, g: _Global, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        """The block of ``g`` at ``offsets``/``lengths``, from the pieces overlapping it only."""
+        out = torch.empty(lengths, dtype=g.dtype)
+        covered = 0
+        for p in g.pieces:
+            lo = [max(a, b) for a, b in zip(offsets, p.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, p.offsets, p.lengths)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            src = self.read(g, p)[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+        if covered != math.prod(lengths):
+            raise FormatError(f"the saved pieces cover {covered} of the {math.prod(lengths)} "
+                              f"elements at offsets {offsets}, lengths {lengths}",
+                              entry=g.name)
+        return out
+
+
+def _sizes(m: Manifest) -> dict[str, int]:
+    return {os.path.join(m.path, r.file): r.size for r in m.ranks}
+
+
+def _region(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(offsets, lengths) of the block of the global tensor this rank holds of ``t``:
+    all of a plain tensor; None for a DTensor whose mesh excludes this rank."""
+    if not _is_dtensor(t):
+        return [0] * t.dim(), list(t.shape)
+    b = _block_of(t, "")
+    return None if b is None else (b.offsets, b.lengths)
+
+
+def _user_extra(extra: Any) -> Any:
+    return extra["extra"] if isinstance(extra, dict) and SHARDS_KEY in extra else extra
+
+
+def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     rank: int, strict: bool, verify: bool) -> LoadReport:
+    saved = _globals(m)
+    report = LoadReport()
+    model_kinds = ("param", "buffer")
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    optim_tensors: dict[str, torch.Tensor] = {}
+    named = dict(model.named_parameters())
+    with _PieceReader(_sizes(m), verify) as reader:
+        for name, t in model_tensors(model):
+            g = saved.get(name)
+            if g is None or g.kind not in model_kinds:
+                report.missing.append(name)
+                continue
+            if list(t.shape) != g.shape:
+                raise ShapeMismatchError(f"{m.path}: entry {name!r}: checkpoint shape {g.shape} "
+                                         f"but model shape {list(t.shape)}")
+            report.loaded.append(name)
+            region = _region(t)
+            if region is not None:
+                copies.append((t, reader.assemble(g, *region)))
+        have = set(report.loaded) | set(report.missing)
+        report.skipped = [n for n, g in saved.items() if g.kind in model_kinds and n not in have]
+        if strict and (report.skipped or report.missing):
+            raise StrictLoadError(
+                f"{m.path}: strict load: {len(report.skipped)} entries not in the model "
+                f"{report.skipped[:5]}, {len(report.missing)} model tensors not in the checkpoint "
+                f"{report.missing[:5]}; pass strict=False to load the overlap")
+        optim_sd = None
+        if optimizer is not None:
+            info = (m.sharded or {}).get("optimizer")
+            if not info:
+                raise FormatError("no optimizer state was saved with this checkpoint "
+                                  "(submit(..., optimizer=opt) saves it)", path=m.path)
+            for name, g in saved.items():
+                if g.kind != "optim":
+                    continue
+                p = named.get(name.rpartition(":")[0])
+                if p is not None and _is_dtensor(p) and list(p.shape) == g.shape:
+                    region = _region(p)   # shaped like its parameter: sharded like it
+                    if region is None:
+                        continue
+                    local = reader.assemble(g, *region).to(p.to_local().device)
+                    optim_tensors[name] = _dtensor_type().from_local(
+                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                        stride=p.stride())
+                else:
+                    optim_tensors[name] = reader.assemble(g, [0] * len(g.shape), g.shape)
+            optim_sd = optimizer_state_dict(optimizer, model, optim_tensors, info, m.path)
+    with torch.no_grad():   # in place: the optimizer keeps its references
+        for dst, src in copies:
+            (dst.to_local() if _is_dtensor(dst) else dst).copy_(src)
+    if optim_sd is not None:
+        optimizer.load_state_dict(optim_sd)
+    meta = read_meta(os.path.join(m.path, m.ranks[min(rank, m.world_size - 1)].file))
+    report.epoch, report.metrics = meta.epoch, dict(meta.metrics)
+    report.extra = _user_extra(meta.extra)
+    return report
+
+
+def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                compress_level: int | None = None) -> str:
+    """Write a sharded checkpoint's full, unsharded model as one flodl ``.fdl``.
+
+    ``step`` is a complete ``step_<N>`` directory saved from a sharded model
+    (FSDP2, DTensor). ``dst`` gets the global tensors under the model's own
+    parameter and buffer names (gzip on ``.gz``), its ``.meta`` (rank 0's
+    epoch, metrics and extra), and, when the optimizer was saved, the
+    optimizer file beside it (``x.optim.fdl``), so :func:`snapsvc.restore`
+    loads it into a plain model and optimizer. Every piece is checked against
+    the manifest's CRC-32 first. Holds the whole model in memory. Returns
+    ``dst``'s absolute path.
+    """
+    m = read_manifest(step)
+    if m.sharded is None:
+        raise ValueError(f"{m.path} was not saved from a sharded model: each rank<r> file "
+                         "already holds that rank's whole model (snapsvc.restore reads it)")
+    saved = _globals(m)
+
+    def whole(names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        missing = [n for n in names if n not in saved]
+        if missing:
+            raise FormatError(f"no pieces of {missing[:5]} in any rank's file", path=m.path)
+        return [(n, reader.assemble(saved[n], [0] * len(saved[n].shape), saved[n].shape))
+                for n in names]
+
+    dst = os.path.abspath(os.fspath(dst))
+    with _PieceReader(_sizes(m), True) as reader:
+        params, buffers = whole(m.sharded["params"]), whole(m.sharded["buffers"])
+        info = m.sharded.get("optimizer")
+        optim = whole([n for n, g in saved.items() if g.kind == "optim"]) if info else None
+    meta0 = read_meta(os.path.join(m.path, m.ranks[0].file))
+    meta = Meta(buffers=[n for n, _ in buffers], epoch=int(m.epoch or 0), metrics=m.metrics,
+                structural_hash=layout_hash(params, buffers), extra=_user_extra(meta0.extra),
+                optimizer=info)
+    write_with_meta(dst, params + buffers, meta, compress_level=compress_level,
+                    optim=None if optim is None else (optim_path(dst), optim))
+    return dst
 
 
 # -- the writer ---------------------------------------------------------------------
@@ -351,6 +770,8 @@ class _Item:
     epoch: int | None
     error: BaseException | None = None
     stage_s: float = 0.0
+    records: list[dict[str, Any]] | None = None   # sharded: this rank's pieces, in file order
+    sharded: dict[str, Any] | None = None         # sharded: the model's description
 
 
 def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None = None) -> None:
@@ -365,7 +786,7 @@ def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None =
         pass
 
 
-_MSG_MAX = 16 << 10  # bytes of msgpack per rank per exchange (errors are cut to fit)
+_MSG_MAX = 16 << 10  # bytes of msgpack in the commit-decision broadcast (reasons are cut to fit)
 
 
 def _to_tensor(obj: Any) -> torch.Tensor:
@@ -388,9 +809,21 @@ def _from_tensor(buf: torch.Tensor) -> Any:
 
 
 def _all_gather_msg(obj: Any, world_size: int, group: Any) -> list[Any]:
-    out = [torch.empty(_MSG_MAX, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(out, _to_tensor(obj), group=group)
-    return [_from_tensor(t) for t in out]
+    """Every rank's ``obj``; any size (a sharded rank sends its entry table): the
+    lengths go first, then the messages padded to the longest."""
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > _MAX_MANIFEST:
+        raise ValueError(f"coordination message of {len(data)} bytes exceeds {_MAX_MANIFEST}")
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(1, *(int(n) for n in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(out, buf, group=group)
+    return [msgpack.unpackb(ctypes.string_at(t.data_ptr(), int(n)), raw=False)
+            for t, n in zip(out, sizes)]
 
 
 def _broadcast_msg(obj: Any, src: int, group: Any) -> Any:
@@ -584,8 +1017,19 @@ class DistributedSnapshotWriter:
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
             os.makedirs(d, exist_ok=True)   # every rank: shared filesystem, any may be first
-            handle.local = self._writer.submit(model, handle.file, metrics=metrics, epoch=epoch,
-                                               optimizer=optimizer, extra=extra)
+            if isinstance(model, nn.Module) and _is_sharded(model):
+                if self.compressed:
+                    raise ValueError("a sharded model is saved uncompressed, so that each rank "
+                                     "can read the byte ranges it needs; use compressed=False")
+                extra = check_plain(extra, "extra")   # before it is wrapped: errors name it
+                snap, item.records, item.sharded = _shard_plan(model, optimizer, self.rank)
+                handle.local = self._writer.submit(snap, handle.file, metrics=metrics,
+                                                   epoch=epoch,
+                                                   extra={SHARDS_KEY: item.records,
+                                                          "extra": extra})
+            else:
+                handle.local = self._writer.submit(model, handle.file, metrics=metrics,
+                                                   epoch=epoch, optimizer=optimizer, extra=extra)
         except BaseException as e:
             item.error = e
             self._queue.put(item)   # keep every rank's sequence of exchanges aligned
@@ -620,6 +1064,10 @@ class DistributedSnapshotWriter:
         self._counts["failed"] += 1
         with self._lock:
             self._unresolved.pop(item.handle.seq, None)
+        try:   # a step every rank failed to write leaves no empty directory behind
+            os.rmdir(item.handle.path)
+        except OSError:   # not empty (a rank's files, kept for a post-mortem), or gone already
+            pass
         _settle(item.handle, exc=err)
 
     def _local(self, item: _Item) -> tuple[dict[str, Any], WriteReport | None]:
@@ -649,8 +1097,15 @@ class DistributedSnapshotWriter:
         optim = None
         if meta.optimizer:
             optim = {k: meta.optimizer[k] for k in ("file", "size", "crc32")}
+        entries = None
+        if item.records is not None:
+            try:
+                entries = _entry_table(item.handle.file, item.records)
+            except Exception as e:
+                out["error"] = f"reading back its entry table: {_reason(e)}"
+                return out, None
         out.update(ok=True, file=os.path.basename(item.handle.file), size=meta.size,
-                   crc32=meta.crc32, optim=optim)
+                   crc32=meta.crc32, optim=optim, entries=entries)
         return out, report
 
     def _one(self, item: _Item) -> None:
@@ -677,16 +1132,21 @@ class DistributedSnapshotWriter:
         if len(set(steps)) > 1:
             failures = {r: f"submitted step {s} (ranks out of step: every rank must submit the "
                         "same steps in the same order)" for r, s in enumerate(steps)}
+        elif not failures and len({g["entries"] is None for g in gathered}) > 1:
+            failures = {r: "submitted a " + ("plain" if g["entries"] is None else "sharded")
+                        + " model (every rank must submit the same model)"
+                        for r, g in enumerate(gathered)}
         decision: list[Any] = [False, None]
         if self.rank == 0 and not failures:
             try:
                 manifest = Manifest(
                     step=step, world_size=self.world_size,
-                    ranks=[RankFile(r, g["file"], g["size"], g["crc32"], g["optim"])
+                    ranks=[RankFile(r, g["file"], g["size"], g["crc32"], g["optim"], g["entries"])
                            for r, g in enumerate(gathered)],
                     format_version=fdl.VERSION,
                     epoch=None if item.epoch is None else int(item.epoch),
-                    metrics={str(k): float(v) for k, v in (item.metrics or {}).items()})
+                    metrics={str(k): float(v) for k, v in (item.metrics or {}).items()},
+                    sharded=item.sharded)
                 _write_manifest(item.handle.path, manifest)
                 decision = [True, None]
             except Exception as e:

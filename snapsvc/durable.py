@@ -10,6 +10,11 @@ before its metadata): :func:`staged_write` writes and fsyncs a temp file,
 :func:`commit` renames them in order and fsyncs each directory once.
 :func:`atomic_write` is both for one file.
 
+Temp files are created like ``open()`` creates files (mode 0666 less the
+umask), so a committed checkpoint has the permissions any other file written
+by the process would have, and are named so they fit the file system's name
+limit beside a final name of any allowed length (:func:`check_final_name`).
+
 Fault injection: :func:`set_fault_hook` installs ``hook(stage, path)``, called
 at ``"open"``, ``"write"``, ``"fsync"`` and ``"rename"``; raising ``OSError``
 there simulates a disk fault (tests use it for faults no filesystem here can
@@ -18,18 +23,23 @@ produce on demand, such as a failed fsync).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
-import tempfile
+import secrets
 import time
 from contextlib import contextmanager
 from typing import BinaryIO, Callable, Iterator
 
 from isal import isal_zlib
 
+from .errors import PathError
+
 __all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
-           "fsync_dir", "remove_stale_temps", "set_fault_hook"]
+           "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
+_NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
 _hook: Callable[[str, str], None] | None = None
 
 
@@ -42,6 +52,31 @@ def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
 def _fault(stage: str, path: str) -> None:
     if _hook is not None:
         _hook(stage, path)
+
+
+# A write this large bypasses the file's buffer: its bytes go from the
+# caller's memory (a slot) to the kernel with no copy in user space.
+_DIRECT = 1 << 20
+# ...in chunks of this size: each is CRC'd just before its write() (so it is
+# read from cache, not memory, the second time) and handed to writeback right
+# after, so the disk works while later chunks are copied and the final fsync
+# has little left to wait for. 8 MiB: measured here, 8-16 MiB chunks with
+# early writeback reach durable ~15-30 % sooner than one write then fsync.
+WRITE_CHUNK = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback, do not wait for it
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: writeback starts at fsync
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
 
 
 class DurableFile:
@@ -61,13 +96,43 @@ class DurableFile:
         return True
 
     def write(self, data) -> int:
+        """Write a bytes-like object; return its size in bytes.
+
+        Small writes are gathered in the file's buffer; large ones go straight
+        from ``data``'s memory to the kernel in :data:`WRITE_CHUNK` pieces.
+        """
         _fault("write", self.tmp_path)
+        view = memoryview(data)
+        if view.nbytes < _DIRECT:
+            t0 = time.perf_counter()
+            n = self._file.write(view)
+            self.write_s += time.perf_counter() - t0
+            self.crc32 = isal_zlib.crc32(view, self.crc32)
+            self.size += n
+            return n
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         t0 = time.perf_counter()
-        n = self._file.write(data)
+        self._file.flush()  # what is buffered goes first: the fd's offset is then self.size
+        fd = self._file.fileno()
         self.write_s += time.perf_counter() - t0
-        self.crc32 = isal_zlib.crc32(data, self.crc32)
-        self.size += n
-        return n
+        for start in range(0, len(view), WRITE_CHUNK):
+            chunk = view[start:start + WRITE_CHUNK]
+            self.crc32 = isal_zlib.crc32(chunk, self.crc32)
+            t0 = time.perf_counter()
+            done = 0
+            while done < len(chunk):
+                n = os.write(fd, chunk[done:])
+                if n <= 0:  # no progress would loop forever
+                    raise OSError(errno.EIO, "write() wrote nothing", self.tmp_path)
+                done += n
+            if _sync_file_range is not None:
+                # A hint only: a failure here (an fs without it) is ignored, and
+                # any I/O error of these pages is reported by the fsync that follows.
+                _sync_file_range(fd, self.size, len(chunk), _SYNC_FILE_RANGE_WRITE)
+            self.write_s += time.perf_counter() - t0
+            self.size += len(chunk)
+        return len(view)
 
     def flush(self) -> None:
         self._file.flush()
@@ -92,18 +157,66 @@ def discard(*files: DurableFile) -> None:
             pass
 
 
+def _name_max(directory: str) -> int:
+    """The longest file name (bytes) ``directory`` takes, or :data:`_NAME_MAX` if unknown
+    (e.g. the directory does not exist yet)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _NAME_MAX
+
+
+def check_final_name(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`~snapsvc.errors.PathError` if ``path``'s file name is longer
+    than its directory allows, so a write can be refused before it starts."""
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    limit = _name_max(os.path.dirname(os.path.abspath(path)))
+    size = len(os.fsencode(name))
+    if size > limit:
+        raise PathError(f"{path}: the file name is {size} bytes, longer than the {limit} bytes "
+                        "the file system allows; use a shorter name")
+
+
+def _create_temp(path: str) -> tuple[int, str]:
+    """Create a new, empty temp file beside ``path``: (fd, temp path).
+
+    Named ``.<base>.<pid>.<random>`` + :data:`TMP_SUFFIX` (the pid is what
+    :func:`remove_stale_temps` reads); ``<base>`` is the final name, cut at a
+    character boundary when the whole would exceed the name limit. Created
+    with mode 0666 so the kernel applies the umask (and a directory's default
+    ACL) exactly as for ``open()``: reading the umask to chmod afterwards is
+    not thread-safe (``os.umask`` can only be read by setting it).
+    """
+    directory, base = os.path.split(path)
+    pid = os.getpid()
+    room = _name_max(directory) - len(f"..{pid}.{'0' * 8}{TMP_SUFFIX}")
+    encoded = os.fsencode(base)
+    if len(encoded) > room:
+        base = encoded[:max(room, 0)].decode("utf-8", "ignore")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    for _ in range(100):  # 32 random bits: a clash is rare, a hundred in a row impossible
+        tmp = os.path.join(directory, f".{base}.{pid}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
+
+
 @contextmanager
 def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     """Yield a :class:`DurableFile`; on exit it is flushed and fsynced, not renamed.
 
-    On an exception the temp file is removed. After a clean exit the caller
-    must :func:`commit` or :func:`discard` it.
+    A final name too long for its directory is a
+    :class:`~snapsvc.errors.PathError` before anything is written. On an
+    exception the temp file is removed. After a clean exit the caller must
+    :func:`commit` or :func:`discard` it.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    check_final_name(path)
     _fault("open", path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.",
-                               suffix=TMP_SUFFIX, dir=directory)
+    fd, tmp = _create_temp(os.path.abspath(path))
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             out = DurableFile(f, os.path.abspath(path), tmp)

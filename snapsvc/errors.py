@@ -17,9 +17,11 @@ __all__ = [
     "ShapeMismatchError",
     "StrictLoadError",
     "BrokenWriterError",
+    "SlotBudgetError",
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
+    "PathError",
 ]
 
 
@@ -91,6 +93,10 @@ class BrokenWriterError(SnapsvcError, RuntimeError):
     """
 
 
+class SlotBudgetError(SnapsvcError, ValueError):
+    """A snapshot's slots do not fit in the writer's ``max_slot_bytes``."""
+
+
 class WriteFailedError(SnapsvcError, OSError):
     """The sidecar could not write a checkpoint; ``errno`` and ``filename`` say why and where.
 
@@ -122,3 +128,8 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
         super().__init__(message)
         self.saved = saved
         self.current = current
+
+
+class PathError(SnapsvcError, ValueError):
+    """A checkpoint path that cannot be written as given (e.g. a file name longer
+    than the file system allows); raised before anything is written."""

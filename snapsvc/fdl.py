@@ -95,9 +95,14 @@ MAX_NDIM = 64
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _HEADER = struct.Struct("<4sI32sI")  # magic, version, hash, count
+_TAG_NBYTES = struct.Struct("<BQ")
 _MIN_ENTRY = 4 + 4 + 1 + 8           # empty name, scalar: smallest entry
 _PIECE = 64 << 20                    # read unknown-length data in 64 MiB pieces
+_SMALL = 64 << 10                    # tensors below this are copied into the write batch
+_BATCH = 1 << 20                     # hand the batch to the writer once it holds this much
 _I64_MAX = (1 << 63) - 1
+# An entry's rank and shape, one compiled struct per rank.
+_SHAPES = tuple(struct.Struct(f"<I{n}q") for n in range(MAX_NDIM + 1))
 
 
 def _supported() -> str:
@@ -123,6 +128,11 @@ class Entry:
     nbytes: int
     offset: int                     # stream offset of the entry's name length
     tensor: torch.Tensor | None
+
+    @property
+    def data_offset(self) -> int:
+        """Stream offset of the entry's data: past name length, name, ndim, shape, tag, count."""
+        return self.offset + _MIN_ENTRY + len(self.name.encode("utf-8")) + 8 * len(self.shape)
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -153,7 +163,7 @@ def check_encodable(name: object, tensor: object) -> bytes:
     if tensor.is_quantized:
         raise EncodeError(f"entry {name!r}: quantized tensors cannot be written; "
                           "dequantize first")
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise EncodeError(f"entry {name!r}: a meta tensor has no data to write; "
                           "materialize the model first")
     if tensor.dtype not in DTYPE_TO_TAG:
@@ -162,15 +172,6 @@ def check_encodable(name: object, tensor: object) -> bytes:
     if tensor.dim() > MAX_NDIM:
         raise EncodeError(f"entry {name!r}: rank {tensor.dim()} exceeds {MAX_NDIM}")
     return raw
-
-
-def _entry_head(raw_name: bytes, t: torch.Tensor) -> bytes:
-    nbytes = t.numel() * t.element_size()
-    return b"".join((
-        _U32.pack(len(raw_name)), raw_name,
-        _U32.pack(t.dim()), struct.pack(f"<{t.dim()}q", *t.shape),
-        bytes((DTYPE_TO_TAG[t.dtype],)), _U64.pack(nbytes),
-    ))
 
 
 def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -187,9 +188,11 @@ def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
 
     Every entry is validated before the first byte is written, so a refused
     dtype or a duplicate name leaves ``writer`` untouched. Data then goes out
-    one tensor at a time: the whole file is never built in memory. Tensors on
-    another device are copied to the CPU one at a time; non-contiguous ones
-    are written in row-major order.
+    one tensor at a time: the whole file is never built in memory. A tensor of
+    64 KiB or more reaches ``writer.write`` as a byte memoryview of its own
+    memory (no copy); entry headers and smaller tensors arrive gathered in
+    batches of about 1 MiB. Tensors on another device are copied to the CPU
+    one at a time; non-contiguous ones are written in row-major order.
     """
     pairs = list(entries)
     raw_names = []
@@ -206,18 +209,34 @@ def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
     if len(pairs) > 0xFFFFFFFF:
         raise EncodeError(f"{len(pairs)} entries exceed the format's u32 count")
 
-    written = writer.write(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
+    # Headers and small tensors are gathered into one batch (one write per
+    # ~_BATCH bytes, not two per entry); a large tensor's memory goes to the
+    # writer as it is, uncopied. A batch is never reused once handed over.
+    batch = bytearray(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
+    written = 0
     for raw, (_, t) in zip(raw_names, pairs):
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        head = _entry_head(raw, t)
-        writer.write(head)
-        written += len(head)
-        if t.numel():
-            written += t.numel() * t.element_size()
+        if not (t.is_cpu and t.is_contiguous()):
+            t = t.detach().cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        batch += _U32.pack(len(raw))
+        batch += raw
+        batch += _SHAPES[t.dim()].pack(t.dim(), *t.shape)
+        batch += _TAG_NBYTES.pack(DTYPE_TO_TAG[t.dtype], nbytes)
+        if nbytes >= _SMALL:
+            writer.write(batch)
             writer.write(_byte_view(t))
+            written += len(batch) + nbytes
+            batch = bytearray()
+            continue
+        if nbytes:
+            batch += ctypes.string_at(t.data_ptr(), nbytes)
+        if len(batch) >= _BATCH:
+            writer.write(batch)
+            written += len(batch)
+            batch = bytearray()
+    if batch:
+        writer.write(batch)
+        written += len(batch)
     return written
 
 

@@ -18,6 +18,7 @@ trainer -> writer::
     {op: SLOT,  slot, layout}            then one pickled tensor (the storage)
     {op: WRITE, seq, slot, path, sent_at, body}   body: pack_value({epoch, metrics,
                                                   extra, optim, state}), packed at submit
+    {op: FREE,  slots}                   unmap these slots (their pools were released)
     {op: STOP}
 
 writer -> trainer::
@@ -41,12 +42,13 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["SLOT", "WRITE", "STOP", "READY", "SLOT_OK", "DONE", "MAX_METADATA",
+__all__ = ["SLOT", "WRITE", "FREE", "STOP", "READY", "SLOT_OK", "DONE", "MAX_METADATA",
            "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
            "unpack_value"]
 
 SLOT = "slot"
 WRITE = "write"
+FREE = "free"
 STOP = "stop"
 READY = "ready"
 SLOT_OK = "slot_ok"

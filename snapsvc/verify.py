@@ -104,11 +104,18 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
     (and those of the optimizer file written beside it, if any).
 
     A missing metadata file is a problem (an unfinished write) unless
-    ``require_meta=False``. Never raises for a bad file: problems are listed.
+    ``require_meta=False``; a missing ``path`` is "no such file". Never raises
+    for a bad file: problems are listed.
     """
     path = os.fspath(path)
     report = VerifyReport(path)
     problems = report.problems
+    if not os.path.exists(path):  # a typo, not an unfinished write: say so
+        problems.append(f"{path}: no such file")
+        return report
+    if os.path.isdir(path):
+        problems.append(f"{path}: a directory, not a checkpoint file")
+        return report
     try:
         report.meta = read_meta(path)
     except FormatError as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 import os
+import re
 import signal
 import time
 from multiprocessing.connection import Connection
@@ -45,6 +46,7 @@ log = logging.getLogger("snapsvc.writer")
 STARTED = -1
 REVOKED = -2
 _PARENT_POLL_S = 0.5
+_DIGITS = re.compile(r"\d+")
 
 
 class _Slot:
@@ -67,7 +69,7 @@ class _Sidecar:
         self.keep_last: int | None = options.get("keep_last")
         self.compress_level: int | None = options.get("compress_level")
         self.slots: dict[int, _Slot] = {}
-        self.written: dict[str, list[str]] = {}  # directory -> our files, oldest first
+        self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         self.parent = os.getppid()
         self.reports_lost = False
 
@@ -88,8 +90,14 @@ class _Sidecar:
             return True
 
     def prune(self, path: str) -> list[str]:
-        """keep_last: drop our oldest files in this directory once ``path`` is durable."""
-        mine = self.written.setdefault(os.path.dirname(path), [])
+        """keep_last: drop our oldest files of ``path``'s series once it is durable.
+
+        A series is the names in one directory that differ only in their
+        digits (``step100.fdl`` and ``step200.fdl``, not ``best.fdl``), so a
+        ``best.fdl`` saved through the same writer is never rotated away.
+        """
+        series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
+        mine = self.written.setdefault(series, [])
         if path in mine:
             mine.remove(path)
         mine.append(path)
@@ -148,6 +156,9 @@ class _Sidecar:
             flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
             self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)
             self.report(protocol.SLOT_OK, slot=msg["slot"])
+        elif op == protocol.FREE:
+            for sid in msg["slots"]:
+                self.slots.pop(sid, None)  # the last reference: the mapping and its fd go
         elif op == protocol.STOP:
             return False
         else:

@@ -233,6 +233,26 @@ def test_inspect_json(capsys, small, ckpt_path, with_meta):
 
 
 @pytest.mark.parametrize("with_meta", [True, False], ids=["meta", "no-meta"])
+def strict_json(text: str) -> object:
+    def refuse(token: str):
+        raise AssertionError(f"not strict JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_inspect_json_is_strict_with_non_finite_metrics(capsys, small, tmp_path):
+    path = tmp_path / "diverged.fdl"
+    snapsvc.snapshot_cpu(small, metrics={"loss": math.nan, "best": math.inf, "worst": -math.inf,
+                                         "lr": 0.5}).save_file(path)
+    code, out, _ = run(capsys, "inspect", "--json", path)
+    assert code == 0
+    assert strict_json(out)["meta"]["metrics"] == {"loss": "NaN", "best": "Infinity",
+                                                   "worst": "-Infinity", "lr": 0.5}
+    assert [float(v) for v in strict_json(out)["meta"]["metrics"].values()][1:] == \
+        [math.inf, -math.inf, 0.5]  # the strings read back as the numbers they stand for
+    assert "NaN" in run(capsys, "inspect", "--help")[1]  # documented
+
+
+@pytest.mark.parametrize("with_meta", [True, False], ids=["meta", "no-meta"])
 def test_inspect_text(capsys, small, ckpt_path, with_meta):
     if with_meta:
         snapsvc.snapshot_cpu(small, metrics={"loss": 0.5}, epoch=4).save_file(ckpt_path)
@@ -347,9 +367,92 @@ def test_verify_no_meta_flag(capsys, small, tmp_path):
     assert code == 0 and out.startswith(f"{path}: OK")
 
 
-def test_verify_missing_file(capsys, tmp_path):
-    code, out, _ = run(capsys, "verify", "--no-meta", tmp_path / "absent.fdl")
-    assert code == 1 and "cannot open" in out
+@pytest.mark.parametrize("flags", [[], ["--no-meta"]], ids=["meta", "no-meta"])
+def test_verify_missing_file_says_no_such_file(capsys, tmp_path, flags):
+    absent = tmp_path / "absent.fdl"
+    code, out, _ = run(capsys, "verify", *flags, absent)
+    assert code == 1 and out == f"{absent}: no such file\n"
+    assert snapsvc.verify(absent).problems == [f"{absent}: no such file"]
+
+
+def test_verify_directory_is_named_as_such(capsys, tmp_path):
+    code, out, _ = run(capsys, "verify", tmp_path)
+    assert code == 1 and out == f"{tmp_path}: a directory, not a checkpoint file\n"
+
+
+def checkpoint_dir(tmp_path: Path, small: nn.Module) -> Path:
+    """A directory as the writer leaves it: model, optimizer file and metadata of two steps."""
+    d = tmp_path / "ck"
+    opt = torch.optim.Adam(small.parameters())
+    for p in small.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # optimizer state to write
+    with snapsvc.SnapshotWriter(d) as w:
+        for step in (1, 2):
+            w.submit(small, f"step{step}.fdl", optimizer=opt, metrics={"loss": 0.1}).result(60)
+    assert sorted(os.listdir(d)) == ["step1.fdl", "step1.fdl.meta", "step1.optim.fdl",
+                                     "step2.fdl", "step2.fdl.meta", "step2.optim.fdl"]
+    return d
+
+
+def glob(directory: Path, pattern: str) -> list[str]:
+    return sorted(str(p) for p in directory.glob(pattern))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_leaks")
+def test_verify_covers_optimizer_and_meta_files(capsys, small, tmp_path):
+    d = checkpoint_dir(tmp_path, small)
+    for pattern, n in (("*.fdl", 4), ("*", 6)):
+        code, out, err = run(capsys, "verify", *glob(d, pattern))
+        assert (code, err) == (0, ""), out
+        lines = out.splitlines()
+        assert lines[-1] == f"{n} of {n} files OK"
+        assert f"{d}/step1.optim.fdl: OK, checked as the optimizer file of {d}/step1.fdl" in lines
+        if pattern == "*":
+            assert f"{d}/step2.fdl.meta: OK, checked as the metadata of {d}/step2.fdl" in lines
+    # given alone, a companion file is checked through its checkpoint
+    code, out, _ = run(capsys, "verify", d / "step2.fdl.meta")
+    assert (code, out) == (0, f"{d}/step2.fdl.meta: OK, checked as the metadata of {d}/step2.fdl\n")
+
+    # a corrupt optimizer file fails its checkpoint and itself, the problem named once
+    flip_byte(d / "step1.optim.fdl", (d / "step1.optim.fdl").stat().st_size - 3)
+    code, out, _ = run(capsys, "verify", *glob(d, "*"))
+    assert code == 1
+    problems = [ln for ln in out.splitlines() if "metadata says" in ln]
+    assert len(problems) == 1 and problems[0].startswith(f"{d}/step1.optim.fdl: crc32"), out
+    assert f"{d}/step1.optim.fdl: FAILED, checked as the optimizer file of {d}/step1.fdl " \
+           "(see its problems)" in out
+    assert out.splitlines()[-1] == "3 of 6 files OK, 3 failed"
+    # alone, the optimizer file shows its checkpoint's problems before its own line
+    code, out, _ = run(capsys, "verify", d / "step1.optim.fdl")
+    lines = out.splitlines()
+    assert code == 1 and lines[0].startswith(f"{d}/step1.optim.fdl: crc32") and \
+        lines[1].startswith(f"{d}/step1.optim.fdl: FAILED, checked as")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_leaks")
+def test_verify_leftover_optimizer_file_is_not_claimed_as_checked(capsys, small, tmp_path):
+    """x.optim.fdl beside an x.fdl whose metadata names no optimizer file (rewritten
+    without one) was not checked by x.fdl's verify: say so."""
+    d = checkpoint_dir(tmp_path, small)
+    snapsvc.snapshot_cpu(small).save_file(d / "step2.fdl")  # no optimizer this time
+    code, out, _ = run(capsys, "verify", d / "step2.optim.fdl")
+    assert code == 1 and out.startswith(f"{d}/step2.optim.fdl: FAILED: not the optimizer file "
+                                        f"of {d}/step2.fdl (its metadata names none)")
+    code, out, _ = run(capsys, "verify", "--no-meta", d / "step1.optim.fdl")
+    assert code == 0 and "checked as the optimizer file" in out
+
+
+def test_verify_orphan_optimizer_file_without_metadata(capsys, small, tmp_path):
+    """--no-meta and no metadata beside the model: the optimizer file is checked on its own."""
+    snapsvc.save_checkpoint(tmp_path / "m.fdl", small)
+    snapsvc.save_checkpoint(tmp_path / "m.optim.fdl", {"w": torch.ones(2)})
+    code, out, _ = run(capsys, "verify", "--no-meta", tmp_path / "m.optim.fdl")
+    assert code == 0 and out.startswith(f"{tmp_path}/m.optim.fdl: OK (1 entries")
+    code, out, _ = run(capsys, "verify", tmp_path / "m.optim.fdl")
+    assert code == 1 and "no metadata file" in out and f"{tmp_path}/m.fdl.meta" in out
 
 
 # ----------------------------------------------------------------------------------
@@ -819,6 +922,37 @@ def test_demo_prints_stall_table_and_restores(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "ck")) == [
         "step00040.fdl", "step00040.fdl.meta", "step00040.optim.fdl",
         "step00060.fdl", "step00060.fdl.meta", "step00060.optim.fdl"]
+    for pattern, n in (("*.fdl", 4), ("*", 6)):  # what a user types next
+        code, out, err = run(capsys, "verify", *glob(tmp_path / "ck", pattern))
+        assert (code, err, out.splitlines()[-1]) == (0, "", f"{n} of {n} files OK"), out
+
+
+@pytest.mark.timeout(240)
+def test_no_numpy_no_warning(tmp_path):
+    """On a machine without numpy, torch warns "Failed to initialize NumPy" when
+    imported; no snapsvc command (nor the demo's sidecar) may show it."""
+    stub = tmp_path / "no-numpy" / "numpy"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'numpy\'", name="numpy")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(stub.parent), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTHONWARNINGS", None)
+
+    def snapsvc_cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "snapsvc", *argv], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=200)
+
+    premise = subprocess.run([sys.executable, "-c", "import numpy"], capture_output=True,
+                             env=env, timeout=60)
+    assert premise.returncode != 0  # numpy really is missing for these commands
+    demo = snapsvc_cli("demo", "--dir", "ck", "--steps", "20", "--every", "10")
+    assert (demo.returncode, demo.stderr) == (0, ""), demo.stdout
+    files = sorted(os.listdir(tmp_path / "ck"))
+    for argv in (["verify", *[f"ck/{f}" for f in files]], ["inspect", "--json", "ck/" + files[0]],
+                 ["--version"]):
+        proc = snapsvc_cli(*argv)
+        assert (proc.returncode, proc.stderr) == (0, ""), (argv, proc.stdout)
 
 
 def test_demo_rejects_bad_arguments(capsys):

@@ -1,36 +1,31 @@
 """Multi-rank checkpoints: DistributedSnapshotWriter, latest_checkpoint, restore_distributed.
 
-Ranks are spawn-context processes on gloo (CPU), rendezvous through a file in
-the test's tmp_path. Every run is bounded: each rank's work has its own
-timeouts, the parent joins with a deadline and kills stragglers, and every
-test carries pytest.mark.timeout. A rank reports by writing
-``result<rank>.json`` (its scenario's dict, or a traceback).
+Ranks are spawn-context processes on gloo (CPU), run by tests/dist_world.py.
+Every run is bounded: each rank's work has its own timeouts, the parent joins
+with a deadline and kills stragglers, and every test carries
+pytest.mark.timeout.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import snapsvc
+from dist_world import run_world
 from snapsvc.distributed import MANIFEST_NAME
 from snapsvc.durable import TMP_SUFFIX
 
 pytestmark = [pytest.mark.timeout(150)]
 
-RUN_S = 100.0      # a whole spawned world, start to finish
 RESULT_S = 60.0    # a handle that must resolve
 
 
@@ -161,7 +156,7 @@ def scenario_faults(rank: int, world: int, tmp: str) -> dict:
             pid = w.writer.pid
             submitted, kw = step, {}
             if rank == 1 and step == 5:
-                kw["extra"] = object()  # not msgpack-able: submit() raises TypeError
+                kw["extra"] = object()  # not plain data: submit() raises a TypeError
             if rank == 1 and step == 6:
                 submitted = 7
             try:
@@ -220,73 +215,6 @@ def scenario_hung_rank(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-SCENARIOS = {"happy": scenario_happy, "faults": scenario_faults,
-             "rank_killed": scenario_rank_killed, "hung_rank": scenario_hung_rank}
-
-
-def rank_main(rank: int, world: int, init: str, tmp: str, scenario: str, kwargs: dict) -> None:
-    torch.set_num_threads(1)
-    result: dict
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        try:
-            result = SCENARIOS[scenario](rank, world, tmp, **kwargs)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    with open(os.path.join(tmp, f"result{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.replace(os.path.join(tmp, f"result{rank}.json.tmp"), os.path.join(tmp, f"result{rank}.json"))
-
-
-# -- in the test process ----------------------------------------------------------
-def run_world(tmp_path, world: int, scenario: str, **kwargs) -> tuple[list[int | None], list]:
-    """Spawn ``world`` ranks, join them by a deadline, kill stragglers.
-
-    Returns (exit codes, results); a rank that wrote no result has None.
-    """
-    ctx = mp.get_context("spawn")
-    init = f"file://{tmp_path}/rendezvous"
-    shm_before = set(os.listdir("/dev/shm"))
-    procs = [ctx.Process(target=rank_main, name=f"rank{r}",
-                         args=(r, world, init, str(tmp_path), scenario, kwargs))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + RUN_S
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        stragglers = [p for p in procs if p.is_alive()]
-        for p in stragglers:
-            p.kill()
-        for p in procs:
-            p.join(10)
-    codes = [p.exitcode for p in procs]
-    stragglers = [p.name for p in stragglers]
-    for p in procs:
-        if p.exitcode is not None:
-            p.close()  # its sentinel fd
-    results = []
-    for r in range(world):
-        try:
-            with open(tmp_path / f"result{r}.json") as f:
-                results.append(json.load(f))
-        except FileNotFoundError:
-            results.append(None)
-    assert not stragglers, f"ranks {stragglers} did not finish in {RUN_S} s"
-    for r, res in enumerate(results):
-        assert res is None or "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
-    deadline = time.monotonic() + 20  # a killed rank's orphaned sidecar may still be exiting
-    while (leaked := set(os.listdir("/dev/shm")) - shm_before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not leaked, f"/dev/shm entries leaked: {sorted(leaked)}"
-    return codes, results
-
-
 def manifest_of(path) -> snapsvc.distributed.Manifest:
     return snapsvc.read_manifest(path)
 
@@ -308,7 +236,7 @@ def wait_gone(pid: int, timeout: float) -> None:
 def world2(tmp_path_factory):
     """One world-size-2 happy run, shared by the tests that read its output."""
     tmp = tmp_path_factory.mktemp("world2")
-    codes, results = run_world(tmp, 2, "happy")
+    codes, results = run_world(tmp, 2, scenario_happy)
     return tmp, codes, results
 
 
@@ -353,7 +281,7 @@ def test_happy_path_world2(world2):
 
 def test_happy_path_world3_gzip_and_world_size_change_refused(tmp_path, world2):
     other = str(world2[0] / "ckpt" / "step_3")
-    codes, results = run_world(tmp_path, 3, "happy", other=other, compressed=True)
+    codes, results = run_world(tmp_path, 3, scenario_happy, other=other, compressed=True)
     check_happy(tmp_path, codes, results, 3, suffix=".fdl.gz")
     for res in results:  # a world-2 checkpoint restored at world size 3
         assert res["other"].startswith("WorldSizeMismatchError")
@@ -368,7 +296,7 @@ def faults2(tmp_path_factory):
     for step, flag in ((2, "FAULT"), (3, "DIE")):  # read by rank 1's sidecar only
         (tmp / "ckpt" / f"step_{step}").mkdir(parents=True)
         (tmp / "ckpt" / f"step_{step}" / flag).write_bytes(b"")
-    codes, results = run_world(tmp, 2, "faults")
+    codes, results = run_world(tmp, 2, scenario_faults)
     assert codes == [0, 0]
     return tmp, results
 
@@ -424,7 +352,7 @@ def test_rank_whose_submit_raises_or_is_out_of_step_fails_every_handle(faults2):
 
 
 def test_rank_sigkilled_mid_save_leaves_checkpoint_incomplete(tmp_path):
-    codes, results = run_world(tmp_path, 3, "rank_killed")
+    codes, results = run_world(tmp_path, 3, scenario_rank_killed)
     assert codes == [0, 0, -signal.SIGKILL]
     assert results[2] is None
     d = tmp_path / "ckpt"
@@ -449,7 +377,7 @@ def test_rank_sigkilled_mid_save_leaves_checkpoint_incomplete(tmp_path):
 
 
 def test_hung_rank_times_out_and_writer_refuses_further_submits(tmp_path):
-    codes, results = run_world(tmp_path, 2, "hung_rank")
+    codes, results = run_world(tmp_path, 2, scenario_hung_rank)
     assert codes == [0, 0]
     res = results[0]
     assert res["step1"]["ok"] and results[1]["step1"]["ok"]

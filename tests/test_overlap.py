@@ -49,7 +49,7 @@ def test_snapshots_never_mix_two_steps(tmp_path, device, overlap):
             forward_backward(model, opt, device)  # and buffers change in the next forward
         reports = [h.result(timeout=120) for h in handles]
         # the copies (on the copier thread, too) were not recorded by autograd
-        assert not any(v.requires_grad for pool in w._pools.values() for slot in pool
+        assert not any(v.requires_grad for slot in w._pools
                        for v in slot.views)
     for i, state in enumerate(expected):
         got = snapsvc.read_checkpoint(tmp_path / f"s{i}.fdl").entries
@@ -65,7 +65,7 @@ def test_overlap_returns_before_the_copy_and_wait_staged(tmp_path):
         w.guard(opt)
         h = w.submit(model, "a.fdl")
         w.wait_staged(timeout=60)
-        assert not any(s.copying for pool in w._pools.values() for s in pool)
+        assert not any(s.copying for s in w._pools)
         assert h.result(timeout=60).stage_s >= 0
 
 
@@ -82,7 +82,7 @@ def test_cuda_model_roundtrip_blocking(tmp_path):
     model, _ = make("cuda")
     with snapsvc.SnapshotWriter(tmp_path) as w:
         w.submit(model, "g.fdl").result(timeout=60)
-        assert all(s.pinned for pool in w._pools.values() for s in pool)
+        assert all(s.pinned for s in w._pools)
     fresh, _ = make("cuda")
     with torch.no_grad():
         for p in fresh.parameters():

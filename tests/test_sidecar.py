@@ -160,7 +160,7 @@ def test_sidecar_is_spawned_at_lower_priority(tmp_path, net):
     with snapsvc.SnapshotWriter(tmp_path, nice=7) as w:
         cmdline = open(f"/proc/{w.pid}/cmdline", "rb").read().split(b"\0")
         assert any(b"multiprocessing.spawn" in part for part in cmdline)
-        assert w._proc.daemon
+        assert w._sidecar.proc.daemon
         assert os.getpriority(os.PRIO_PROCESS, w.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
 
 
@@ -209,16 +209,36 @@ def test_keep_last(tmp_path, net):
 
 
 def test_write_error_is_reported_and_sidecar_keeps_serving(tmp_path, net):
+    gone = tmp_path / "gone"
     with snapsvc.SnapshotWriter(tmp_path) as w:
-        bad = w.submit(net, tmp_path / "no" / "such" / "dir" / "x.fdl")
+        w.submit(net, gone / "a.fdl").result(timeout=60)  # creates the directory
+        for name in os.listdir(gone):
+            os.unlink(gone / name)
+        gone.rmdir()
+        bad = w.submit(net, gone / "x.fdl")  # created once per writer: now it fails there
         with pytest.raises(snapsvc.WriteFailedError) as ei:
             bad.result(timeout=60)
         assert ei.value.errno == errno.ENOENT
-        assert ei.value.filename == str(tmp_path / "no" / "such" / "dir" / "x.fdl")
+        assert ei.value.filename == str(gone / "x.fdl")
         assert isinstance(ei.value, OSError)
         assert not w.submit(net, "fine.fdl").result(timeout=60).skipped
         assert w.stats()["failed"] == 1
-    assert not os.path.exists(meta_path(tmp_path / "no" / "such" / "dir" / "x.fdl"))
+    assert not os.path.exists(meta_path(gone / "x.fdl"))
+
+
+def test_nested_directories_in_a_path_are_created(tmp_path, net):
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(net, "a/b/c.fdl").result(timeout=60)
+    assert snapsvc.verify(tmp_path / "a" / "b" / "c.fdl").ok
+
+
+@pytest.mark.parametrize("path", ["", ".", "sub/", "sub/..", "existing"])
+def test_a_path_naming_a_directory_is_refused_at_submit(tmp_path, net, path):
+    (tmp_path / "existing").mkdir()
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        with pytest.raises(ValueError, match="directory"):
+            w.submit(net, path)
+        assert w.is_idle() and w.stats()["submitted"] == 0
 
 
 def test_unsupported_dtype_refused_at_submit(tmp_path, net):

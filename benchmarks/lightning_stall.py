@@ -1,0 +1,166 @@
+"""How long a Lightning checkpoint holds up the training loop, per checkpoint IO, in one run.
+
+IOs (same model, same disk, same run; each in a fresh process):
+
+  default   Lightning's TorchCheckpointIO: torch.save on the training thread
+  async     Lightning's AsyncCheckpointIO: clone every tensor on the training
+            thread, torch.save on a background thread
+  snapsvc   snapsvc.lightning.SnapsvcCheckpointIO: copy into a shared-memory
+            slot, the sidecar process writes (and fsyncs) the file
+
+A LightningModule holds ``--mib`` MiB of float32 parameters (16 MiB tensors)
+trained by AdamW, so each checkpoint is about 3x that (weights + two moments).
+Each step waits ``--ms`` ms, as a host thread waits for its GPU, then AdamW
+updates every parameter. ``ModelCheckpoint(every_n_train_steps=--every,
+save_top_k=1)`` checkpoints; what is timed per checkpoint:
+
+  stall     Trainer.save_checkpoint as ModelCheckpoint calls it (Lightning's
+            dump of the state, then CheckpointIO.save_checkpoint) plus the
+            removal of the previous file: the time the loop is held
+  io        CheckpointIO.save_checkpoint alone
+
+The first checkpoint is reported apart (it starts the sidecar, allocates
+slots, warms the page cache); medians are over the rest. ``fit`` is the whole
+fit's wall time, teardown (draining pending writes) included.
+
+    python benchmarks/lightning_stall.py                  # 64 MiB, 60 steps, every 10
+    python benchmarks/lightning_stall.py --mib 256 --steps 80 --out results.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stall import build_model  # noqa: E402
+
+IOS = ["default", "async", "snapsvc"]
+
+
+def timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+    return wrapper
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One fit with one IO; per-checkpoint times in seconds."""
+    from snapsvc.lightning import SnapsvcCheckpointIO
+
+    pl = _pl()
+    AsyncCheckpointIO, TorchCheckpointIO = pl.plugins.io.AsyncCheckpointIO, pl.plugins.io.TorchCheckpointIO
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_model(f"{args.mib}M")
+
+        def training_step(self, batch: Any, _idx: int) -> torch.Tensor:
+            time.sleep(args.ms / 1e3)  # the "GPU" computing: the CPU is free meanwhile
+            # a gradient on every parameter, at the cost of one pass over them
+            return sum(p.sum() for p in self.net.parameters()) * 1e-9 + batch[0].sum() * 0
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    io = {"default": TorchCheckpointIO, "async": AsyncCheckpointIO, "snapsvc": SnapsvcCheckpointIO}[args.io]()
+    stall: list[float] = []
+    inner: list[float] = []
+    removal: list[float] = []
+    io.save_checkpoint = timed(io.save_checkpoint, inner)
+    io.remove_checkpoint = timed(io.remove_checkpoint, removal)
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=args.every, save_top_k=1)
+        trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, plugins=[io],
+                             callbacks=[ckpt], logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.save_checkpoint = timed(trainer.save_checkpoint, stall)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(args.steps, 1)))
+        t0 = time.perf_counter()
+        trainer.fit(Lit(), data)
+        fit_s = time.perf_counter() - t0
+        files = sorted(os.listdir(d))
+    # ModelCheckpoint removes the previous file right after each save but the first
+    stall = [s + r for s, r in zip(stall, [0.0] + removal)]
+    return {"io": args.io, "stall": stall, "inner": inner, "removal": removal, "fit_s": fit_s,
+            "files": files}
+
+
+def run_one(args: argparse.Namespace, io: str) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--io", io, "--mib", str(args.mib),
+           "--steps", str(args.steps), "--every", str(args.every), "--ms", str(args.ms)]
+    if args.dir:
+        cmd += ["--dir", args.dir]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{io} worker failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    ms = lambda s: f"{1e3 * s:9.1f}"  # noqa: E731
+    lines = [f"# lightning_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
+             f"torch {torch.__version__}, {_pl().__name__} {_pl().__version__}",
+             f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
+             f"of {args.ms:g} ms, a checkpoint every {args.every} steps (save_top_k=1)",
+             "io        checkpoints  stall p50 ms  stall max ms  io p50 ms  first stall ms   fit s  files"]
+    for r in rows:
+        rest, inner = r["stall"][1:], r["inner"][1:]
+        r["p50"] = statistics.median(rest)
+        lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(max(rest)):>13} "
+                     f"{ms(statistics.median(inner)):>10} {ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  "
+                     f"{' '.join(r['files'])}")
+    by = {r["io"]: r["p50"] for r in rows}
+    lines.append(f"stall p50 ratio: default/snapsvc {by['default'] / by['snapsvc']:.1f}x, "
+                 f"async/snapsvc {by['async'] / by['snapsvc']:.1f}x")
+    return "\n".join(lines)
+
+
+def _pl() -> Any:
+    """pytorch_lightning, or lightning.pytorch where only the ``lightning`` package is installed."""
+    try:
+        return importlib.import_module("pytorch_lightning")
+    except ImportError:
+        return importlib.import_module("lightning.pytorch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=64, help="model size in MiB (multiple of 16)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--ms", type=float, default=30.0, help="simulated GPU compute per step")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--io", choices=IOS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    text = report(args, [run_one(args, io) for io in IOS])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"$ python benchmarks/lightning_stall.py {' '.join(argv or sys.argv[1:])}\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Copying a snapshot into its slot: at once, or overlapped with training, whole or incremental.
+
+Blocking mode copies every tensor inside ``submit()`` (on a side CUDA stream
+into pinned slots for CUDA tensors). Overlap mode copies at once only what
+the next forward() changes (buffers, plain tensors), and leaves the rest
+(parameters, optimizer state) to one background thread on the CPU, or to a
+side CUDA stream; :meth:`Copier.guard` makes ``optimizer.step()`` wait for
+it, on CUDA without blocking the CPU.
+
+Incremental mode (opt-in) copies into a slot only the tensors that changed
+since that slot last held them: same tensor objects (the model's cached
+plan), same storage pointer, same ``_version`` counter, which every in-place
+op and optimizer step bumps. The file written is still complete: the other
+tensors are in the slot from an earlier submit. It is opt-in because a write
+through ``p.data`` (``p.data.add_(1)``) changes the values without bumping
+``p._version``: such a change is missed. ``incremental="check"`` compares
+every skipped tensor with the slot (a full compare, for debugging), logs each
+one that a stale copy would have written wrongly, and copies it.
+
+Locking. ``_lock`` guards the in-flight future and the last copy event, so
+``stage``, ``wait`` and the guard hook may run on any thread. Copies finish,
+and their WRITE messages go out, in submit order because one thread runs
+them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from . import staging
+from .pools import Slot
+
+__all__ = ["Copier"]
+
+log = logging.getLogger("snapsvc")
+
+
+class Copier:
+    """Stages sources into slots; owns the overlap thread and the side CUDA stream."""
+
+    def __init__(self, overlap: bool, incremental: bool | str = False) -> None:
+        self.overlap = overlap
+        self.incremental = incremental
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
+        self._event: Any = None
+        self._stream: Any = None
+        self._guarded = False
+        self._warned = False
+
+    def stage(self, slot: Slot, sources: list[torch.Tensor], planned: bool = False
+              ) -> tuple[Callable[[], None] | None, int]:
+        """Copy ``sources`` into ``slot``: (the rest of the copy, bytes copied).
+
+        Blocking mode copies everything and returns no rest. Overlap mode
+        copies the early tensors now and returns the rest of the copy, to run
+        on the copier thread (CPU) or already queued on a side stream (CUDA,
+        where what is returned waits for the DMA to land). ``planned``: the
+        sources are a model's cached plan, so incremental mode may skip
+        tensors the slot already holds.
+        """
+        picked = held = None
+        if self.incremental and planned:  # the slot is reserved for this thread
+            picked, held = self._changed(slot, sources)
+        slot.held = None  # until this copy is done
+        views, early_idx, late_idx = slot.views, slot.early, slot.late
+        if picked is not None:
+            sources = [sources[i] for i in picked]
+            views = [views[i] for i in picked]
+            early_idx = [j for j, i in enumerate(picked) if i in slot.early_set]
+            late_idx = [j for j, i in enumerate(picked) if i not in slot.early_set]
+        copied = sum(slot.layout.specs[i].nbytes for i in picked) if picked is not None \
+            else slot.data_bytes
+        rest = self._copy(slot, views, sources, early_idx, late_idx)
+        slot.held = held
+        return rest, copied
+
+    def _changed(self, slot: Slot, sources: list[torch.Tensor]) -> tuple[list[int] | None, Any]:
+        """(indices of ``sources`` that differ from what ``slot`` holds, or None
+        for all; what the slot holds after this copy)."""
+        ptrs = [t.data_ptr() for t in sources]
+        versions = [t._version for t in sources]
+        held, now = slot.held, (sources, ptrs, versions)
+        if held is None or held[0] is not sources:
+            return None, now
+        _, old_ptrs, old_versions = held
+        picked = [i for i, (p, v, op, ov) in enumerate(zip(ptrs, versions, old_ptrs, old_versions))
+                  if p != op or v != ov]
+        if self.incremental == "check":
+            skipped = set(range(len(sources))) - set(picked)
+            stale = sorted(i for i in skipped if not torch.equal(slot.views[i], sources[i]))
+            for i in stale:
+                log.warning("incremental staging: %r changed without a _version bump (a write "
+                            "through .data?); a stale copy would have been written, copying it",
+                            slot.layout.specs[i].name)
+            picked = sorted(set(picked) | set(stale))
+        return picked, now
+
+    def _copy(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
+              early_idx: list[int], late_idx: list[int]) -> Callable[[], None] | None:
+        if not self.overlap:
+            if slot.pinned:
+                stream = self._side_stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                staging.copy_into(views, sources, stream)
+                stream.synchronize()
+            else:
+                staging.copy_into(views, sources)
+            return None
+        if not self._guarded and not self._warned:
+            self._warned = True
+            log.warning("overlap=True without writer.guard(optimizer): a snapshot may mix "
+                        "values from two steps")
+        early = [sources[i] for i in early_idx], [views[i] for i in early_idx]
+        late = [sources[i] for i in late_idx], [views[i] for i in late_idx]
+        if not slot.pinned:
+            staging.copy_into(early[1], early[0])
+            return functools.partial(staging.copy_into, late[1], late[0])
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        staging.copy_into(early[1], early[0], stream)
+        buffers_done = torch.cuda.Event()
+        buffers_done.record(stream)
+        torch.cuda.current_stream().wait_event(buffers_done)  # GPU-side wait, CPU runs on
+        staging.copy_into(late[1], late[0], stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        with self._lock:
+            self._event = copied
+        return copied.synchronize
+
+    def later(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the copier thread, after every earlier one."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapsvc-copy")
+            self._inflight = self._pool.submit(fn, *args)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every copy handed to the copier has finished."""
+        with self._lock:
+            inflight = self._inflight
+        if inflight is not None:
+            inflight.result(timeout)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """An optimizer step pre-hook that waits for in-flight copies; its handle."""
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            with self._lock:
+                event = self._event
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+            else:
+                self.wait()
+
+        self._guarded = True
+        return optimizer.register_step_pre_hook(hook)
+
+    def shutdown(self) -> None:
+        """Finish the copies handed over (memcpy, bounded) and stop the thread."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _side_stream(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream

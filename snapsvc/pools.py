@@ -1,0 +1,214 @@
+"""Slot pools and copy plans: where each submit's tensors go, and which tensors they are.
+
+A *pool* is ``slots`` shared-memory slots (:mod:`snapsvc.staging`) for one
+layout (names, shapes, dtypes). A *plan* caches, per model, the tensors to
+copy and their pool, so a submit of an unchanged model does not walk it by
+name. Memory stays bounded: the pools of layouts that the last submit did
+not use are released as soon as they are idle (:meth:`SlotPools.trim`), and
+``max_slot_bytes`` caps the total.
+
+Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
+:class:`~snapsvc.client.SnapshotWriter` that owns them: every method here
+is called with that lock held, so slot states, pools and plans change
+together with the writer's pending writes.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from . import fdl, staging
+from .errors import SlotBudgetError
+
+__all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "check_sources", "RESERVED"]
+
+RESERVED = 0  # Slot.seq while a submit is staging into it
+
+
+class Slot:
+    """One shared-memory slot. ``seq``: None free, RESERVED staging, else the
+    write in flight; ``gen``: the sidecar generation that has it mapped."""
+
+    def __init__(self, sid: int, layout: staging.Layout, pin: bool) -> None:
+        self.id = sid
+        self.layout = layout
+        self.pinned = pin
+        self.flat = staging.allocate(layout, pin=pin)
+        self.views = staging.views(self.flat, layout)
+        self.claim = staging.claim_word(self.flat)
+        self.seq: int | None = None
+        self.gen = -1
+        self.registering = -1         # the generation a SLOT message was sent to
+        self.copying = False          # overlap mode: the copier thread is filling it
+        # overlap mode copies at submit what an optimizer step does not change
+        early = (staging.BUFFER, staging.STATE)
+        self.early = [i for i, s in enumerate(layout.specs) if s.kind in early]
+        self.late = [i for i, s in enumerate(layout.specs) if s.kind not in early]
+        self.early_set = frozenset(self.early)
+        self.data_bytes = sum(s.nbytes for s in layout.specs)
+        # incremental mode: (sources, storage pointers, _versions) of the last copy
+        self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        # what the buffer names add to a metadata file (client._pack_body's room)
+        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
+                                if s.kind == staging.BUFFER)
+
+    @property
+    def busy(self) -> bool:
+        return self.seq is not None or self.copying
+
+    def release(self) -> None:
+        if self.pinned:
+            staging.unpin(self.flat)
+            self.pinned = False
+
+
+class Pool(list):
+    """The slots of one layout; ``users``: submits using it now (never trimmed then)."""
+
+    users = 0
+
+
+def walk(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter and buffer slot of every submodule, in one pass.
+
+    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
+    ``buffers()`` would walk the tree twice and build names and sets, which
+    costs milliseconds on models with thousands of tensors, on every submit.
+    """
+    out: list[torch.Tensor | None] = []
+    for mod in model.modules():
+        out.extend(mod._parameters.values())
+        out.extend(mod._buffers.values())
+    return out
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+
+
+@dataclass
+class Plan:
+    """What submit() needs of a model, valid while its tensors stay the same."""
+
+    walked: list[torch.Tensor | None]  # walk(model) when planned
+    sources: list[torch.Tensor]        # params, then persistent buffers: the copy's sources
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    devices: list[torch.device]
+    pool: Pool
+
+    def matches(self, walked: list[torch.Tensor | None]) -> bool:
+        """Same tensor objects, shapes, dtypes and devices: a replaced, added,
+        resized, cast or moved parameter or buffer fails it. Each comparison
+        is one C-level pass (map and list equality), not a Python loop."""
+        src = self.sources
+        return (len(walked) == len(self.walked) and all(map(operator.is_, walked, self.walked))
+                and list(map(_shape, src)) == self.shapes
+                and list(map(_dtype, src)) == self.dtypes
+                and list(map(_device, src)) == self.devices)
+
+
+def check_sources(pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse what cannot be staged (EncodeError), before any pool is looked up."""
+    for name, t in pairs:
+        fdl.check_encodable(name, t)
+
+
+class SlotPools:
+    """Pools by layout key, the plan cache, and the slot-memory budget."""
+
+    def __init__(self, slots: int, max_slot_bytes: int | None) -> None:
+        self.slots = slots
+        self.max_slot_bytes = max_slot_bytes
+        self._pools: dict[tuple, Pool] = {}
+        self._plans: "weakref.WeakKeyDictionary[nn.Module, Plan]" = weakref.WeakKeyDictionary()
+        self._by_id: dict[int, Slot] = {}
+        self._next_id = 0
+
+    def __iter__(self) -> Iterator[Slot]:
+        for pool in self._pools.values():
+            yield from pool
+
+    def by_id(self, sid: int) -> Slot | None:
+        return self._by_id.get(sid)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.layout.nbytes for s in self)
+
+    def pool(self, key: tuple, layout: Callable[[], staging.Layout], pin: bool
+             ) -> tuple[Pool, list[Slot]]:
+        """The pool for ``key`` (made from ``layout()`` if new, within the budget),
+        and the slots of other pools released because they were idle: the
+        sidecar must be told to unmap those."""
+        pool = self._pools.get(key)
+        if pool is not None:
+            return pool, self.use(pool)
+        gone = self._trim(keep=None)
+        lay = layout()
+        need = self.slots * lay.nbytes
+        if self.max_slot_bytes is not None:
+            if need > self.max_slot_bytes:
+                raise SlotBudgetError(
+                    f"this snapshot needs {self.slots} slots of {lay.nbytes} bytes "
+                    f"({need} bytes), more than max_slot_bytes={self.max_slot_bytes}; "
+                    "raise the budget or use fewer slots")
+            if self.nbytes + need > self.max_slot_bytes:
+                raise SlotBudgetError(
+                    f"this snapshot needs {need} bytes of slots and {self.nbytes} are held by "
+                    f"snapshots still in flight; max_slot_bytes={self.max_slot_bytes}")
+        pool = Pool()
+        try:
+            for _ in range(self.slots):
+                self._next_id += 1
+                pool.append(Slot(self._next_id, lay, pin))
+        except BaseException:
+            for slot in pool:
+                slot.release()
+            raise
+        self._pools[key] = pool
+        self._by_id.update((s.id, s) for s in pool)
+        return pool, gone
+
+    def plan(self, model: nn.Module, walked: list[torch.Tensor | None]) -> Plan | None:
+        """The cached plan of ``model`` if it still holds (see :meth:`Plan.matches`)."""
+        plan = self._plans.get(model)
+        return plan if plan is not None and plan.matches(walked) else None
+
+    def remember(self, model: nn.Module, plan: Plan) -> None:
+        self._plans[model] = plan
+
+    def use(self, pool: Pool) -> list[Slot]:
+        """``pool`` serves this submit: release the other idle pools (their slots)."""
+        return self._trim(keep=pool)
+
+    def _trim(self, keep: Pool | None) -> list[Slot]:
+        gone = []
+        for key, pool in list(self._pools.items()):
+            if pool is keep or pool.users or any(s.busy for s in pool):
+                continue
+            del self._pools[key]
+            for slot in pool:
+                del self._by_id[slot.id]
+                slot.release()
+            gone += pool
+        if gone:
+            dead = {id(s) for s in gone}
+            for model, plan in list(self._plans.items()):
+                if id(plan.pool[0]) in dead:
+                    del self._plans[model]
+        return gone
+
+    def clear(self) -> None:
+        for slot in self:
+            slot.release()
+        self._pools.clear()
+        self._plans.clear()
+        self._by_id.clear()
