@@ -304,6 +304,7 @@ class SnapsvcTrainer(Trainer):
         if not self.args.save_only_model or not self.args.should_save:
             state["rng"] = _rng_state(distributed)
         files: list[str] = []
+        handle: WriteHandle | None = None
         try:
             if isinstance(writer, DistributedSnapshotWriter):
                 # rank<r>.fdl in <output_dir>/.snapsvc-ranks/step_<N>, committed by a
@@ -319,8 +320,10 @@ class SnapsvcTrainer(Trainer):
             else:
                 staging = ""   # another rank commits it; this one waits for the manifest
         except BaseException:
-            if not self._snapsvc_distributed:
-                shutil.rmtree(staging, ignore_errors=True)  # nothing was queued for it
+            if not isinstance(writer, DistributedSnapshotWriter):  # no commit will come
+                if handle is not None:  # the sidecar writes into it: let it finish first
+                    writer.wait_path(handle.path, timeout=self.drain_timeout)
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         item = _Commit(handle, staging, final, run_dir, files, self.args.should_save,
                        self.args.save_total_limit, self.state.best_model_checkpoint)
