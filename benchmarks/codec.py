@@ -1,6 +1,8 @@
-"""Codec benchmark: snapsvc ``.fdl`` against torch.save, and a gzip level table.
+"""Codec benchmark: snapsvc ``.fdl`` against torch.save, restore, and a gzip level table.
 
-    python benchmarks/codec.py [--mib 256] [--repeat 3] [--dir DIR] [--json out.json]
+    python benchmarks/codec.py [--mib 256] [--repeat 3] [--restore-repeat 9]
+        [--sections files restore levels] [--compare-with DIR] [--device cuda]
+        [--threads N] [--dir DIR] [--json out.json]
 
 One run, one set of tensors (16 MiB float32 normal matrices totalling --mib
 MiB, plus a few small bias/BatchNorm tensors), measured side by side:
@@ -12,6 +14,19 @@ MiB, plus a few small bias/BatchNorm tensors), measured side by side:
   torch.save writes into a file opened here, then flush and fsync (no
   rename). Every load reads the file just written, so it comes from a warm
   page cache (caches are not dropped): loads measure decoding, not the disk.
+* restore: ``snapsvc.restore`` of a checkpoint written by the sidecar (the
+  file's size and CRC-32 checked against its metadata, then copied into the
+  model) against ``model.load_state_dict(torch.load(weights_only=True))``
+  and two raw reads of the same ``.fdl`` file: ``readinto`` into a fresh
+  ``torch.empty`` (what any reader of the file pays, page faults included)
+  and into the populated buffer restore itself reads into (the read alone).
+  The model and the page cache are warm. The operations run round-robin,
+  --restore-repeat rounds after one warm-up round, so drifting load on a
+  shared machine hits them alike; the table gives medians and ratios.
+  ``--compare-with DIR`` also times ``restore`` of the snapsvc package in
+  DIR (e.g. an export of an older commit) in the same rounds. ``--device
+  cuda`` restores into a model on the GPU (through pinned memory; torch's
+  load_state_dict copies from pageable memory); raw reads stay host reads.
 * gzip levels, in memory: isal levels 0-3 (isal.igzip.compress, the deflate
   engine behind snapsvc.streams.gzip_writer) and Python's zlib at level 6,
   both producing gzip, on the float32 data of the tensors above and on an
@@ -29,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -41,14 +57,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 import isal
 import torch
 from isal import igzip
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 import snapsvc  # noqa: E402
+from snapsvc.checkpoint import _file_buffer  # noqa: E402
 from snapsvc.fdl import _byte_view  # noqa: E402
 from snapsvc.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
 
@@ -58,6 +77,7 @@ Tensors = dict[str, torch.Tensor]
 BIG_MIB = 16
 SIDE = 2048  # a 2048 x 2048 float32 matrix is 16 MiB
 ISAL_LEVELS = (0, 1, 2, 3)
+SECTIONS = ("files", "restore", "levels")
 ZLIB_LEVEL = 6
 
 
@@ -78,6 +98,19 @@ class FileRow:
     file_bytes: int
     ratio: float
     time: Stat
+
+
+@dataclass
+class RestoreRow:
+    op: str
+    time: Stat
+    cpu_s: list[float]       # process CPU seconds (user + system, all threads) of each run
+    cpu_median_s: float
+    vs_raw: float            # median over the median of a raw readinto (fresh buffer)
+    vs_raw_populated: float  # ... of a raw readinto into restore's own kind of buffer
+    vs_torch: float          # ... of torch.load(weights_only=True) + load_state_dict
+    cpu_vs_raw: float        # the same ratios of median CPU seconds
+    cpu_vs_torch: float
 
 
 @dataclass
@@ -190,6 +223,118 @@ def bench_files(tensors: Tensors, directory: Path, repeat: int) -> list[FileRow]
     return rows
 
 
+def make_model(tensors: Tensors) -> nn.Module:
+    """A module holding copies of ``tensors`` under the same names: BatchNorm
+    statistics as buffers, the rest as parameters."""
+    model = nn.Module()
+    for name, t in tensors.items():
+        owner, leaf = name.split(".")
+        if not hasattr(model, owner):
+            model.add_module(owner, nn.Module())
+        sub = getattr(model, owner)
+        if owner == "bn":
+            sub.register_buffer(leaf, t.clone())
+        else:
+            sub.register_parameter(leaf, nn.Parameter(t.clone()))
+    return model
+
+
+def load_baseline(directory: Path) -> ModuleType:
+    """The snapsvc package in ``directory``, imported as ``snapsvc_baseline``."""
+    init = directory / "snapsvc" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "snapsvc_baseline", init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--compare-with: no snapsvc package in {directory}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rounds(ops: dict[str, Callable[[], object]], repeat: int
+           ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One untimed warm-up round, then ``repeat`` rounds of every op in turn:
+    (wall seconds, process CPU seconds) of each op's runs. CPU time shows what
+    an op costs even when other processes share the cores (wall time then
+    includes waiting for one)."""
+    wall: dict[str, list[float]] = {name: [] for name in ops}
+    cpu: dict[str, list[float]] = {name: [] for name in ops}
+    for r in range(repeat + 1):
+        for name, fn in ops.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            if r:
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def read_whole(path: Path, view: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise SystemExit(f"{path} is shorter than it was")
+            done += n
+
+
+def raw_fresh(path: Path) -> None:
+    buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    read_whole(path, _byte_view(buf))
+
+
+def raw_populated(path: Path) -> None:
+    _, view = _file_buffer(path.stat().st_size, False)
+    read_whole(path, view)
+
+
+def synced(fn: Callable[[], object], device: str) -> None:
+    fn()
+    torch.cuda.synchronize(device)
+
+
+def bench_restore(tensors: Tensors, directory: Path, repeat: int,
+                  baseline: ModuleType | None, device: str) -> list[RestoreRow]:
+    model = make_model(tensors).to(device)
+    with snapsvc.SnapshotWriter(directory) as w:
+        w.submit(model, "r.fdl").result(timeout=600)
+        w.submit(model, "r.fdl.gz").result(timeout=600)
+    pt = directory / "r.pt"
+    torch.save(model.state_dict(), pt)
+    fdl, gz = directory / "r.fdl", directory / "r.fdl.gz"
+    with torch.no_grad():  # so that every restore below has something to undo
+        for p in model.parameters():
+            p.zero_()
+
+    ops: dict[str, Callable[[], object]] = {
+        "raw readinto, fresh buffer": lambda: raw_fresh(fdl),
+        "raw readinto, populated buffer": lambda: raw_populated(fdl),
+        "torch.load + load_state_dict": lambda: model.load_state_dict(
+            torch.load(pt, weights_only=True)),
+        "snapsvc.restore .fdl": lambda: snapsvc.restore(fdl, model),
+    }
+    if baseline is not None:
+        ops["baseline restore .fdl"] = lambda: baseline.restore(fdl, model)
+    ops["snapsvc.restore .fdl.gz"] = lambda: snapsvc.restore(gz, model)
+    if device != "cpu":  # each op ends when its copies to the device have
+        ops = {name: partial(synced, fn, device) for name, fn in ops.items()}
+    times, cpu = rounds(ops, repeat)
+    check_same("restore", {k: v.cpu() for k, v in sorted(model.state_dict().items())},
+               dict(sorted(tensors.items())))
+
+    nbytes = fdl.stat().st_size
+    med = {name: statistics.median(runs) for name, runs in times.items()}
+    cmed = {name: statistics.median(runs) for name, runs in cpu.items()}
+    raw, pop, ref = ("raw readinto, fresh buffer", "raw readinto, populated buffer",
+                     "torch.load + load_state_dict")
+    return [RestoreRow(name, stat(nbytes, runs), cpu[name], cmed[name],
+                       med[name] / med[raw], med[name] / med[pop], med[name] / med[ref],
+                       cmed[name] / cmed[raw], cmed[name] / cmed[ref])
+            for name, runs in times.items()]
+
+
 def bench_codec(data_name: str, data: memoryview, codec: str,
                 compress: Callable[[memoryview], bytes],
                 decompress: Callable[[bytes], bytes], repeat: int) -> CodecRow:
@@ -221,15 +366,30 @@ def bench_levels(tensors: Tensors, repeat: int) -> list[CodecRow]:
             for name, t in buffers.items() for codec, comp, decomp in codecs]
 
 
-def print_tables(files: list[FileRow], codecs: list[CodecRow], header: list[str]) -> None:
+def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[CodecRow],
+                 header: list[str]) -> None:
     print("\n".join(header))
-    print("\nfiles (saves include fsync; loads read the file just written: warm page cache)")
-    print(f"{'op':<30} {'file MB':>9} {'ratio':>6} {'med s':>7} {'min s':>7}"
-          f" {'MB/s med':>9} {'MB/s best':>9}")
-    for r in files:
-        t = r.time
-        print(f"{r.op:<30} {r.file_bytes / 1e6:>9.1f} {r.ratio:>6.3f} {t.median_s:>7.3f}"
-              f" {t.min_s:>7.3f} {t.mbps_median:>9.0f} {t.mbps_best:>9.0f}")
+    if files:
+        print("\nfiles (saves include fsync; loads read the file just written: warm page cache)")
+        print(f"{'op':<30} {'file MB':>9} {'ratio':>6} {'med s':>7} {'min s':>7}"
+              f" {'MB/s med':>9} {'MB/s best':>9}")
+        for r in files:
+            t = r.time
+            print(f"{r.op:<30} {r.file_bytes / 1e6:>9.1f} {r.ratio:>6.3f} {t.median_s:>7.3f}"
+                  f" {t.min_s:>7.3f} {t.mbps_median:>9.0f} {t.mbps_best:>9.0f}")
+    if restores:
+        runs = len(restores[0].time.runs_s)
+        print(f"\nrestore into a warm model, warm page cache ({runs} rounds, medians; x = over "
+              "raw fresh, raw populated, torch; cpu = process CPU time)")
+        print(f"{'op':<31} {'wall ms':>7} {'min ms':>7} {'cpu ms':>7}"
+              f" {'x raw':>6} {'x pop':>6} {'x torch':>7} {'cpu x raw':>9} {'cpu x torch':>11}")
+        for r in restores:
+            t = r.time
+            print(f"{r.op:<31} {t.median_s * 1e3:>7.1f} {t.min_s * 1e3:>7.1f}"
+                  f" {r.cpu_median_s * 1e3:>7.1f} {r.vs_raw:>6.2f} {r.vs_raw_populated:>6.2f}"
+                  f" {r.vs_torch:>7.2f} {r.cpu_vs_raw:>9.2f} {r.cpu_vs_torch:>11.2f}")
+    if not codecs:
+        return
     print("\ngzip levels in memory (MB/s of uncompressed data)")
     print(f"{'data':<15} {'codec':<7} {'ratio':>6} {'comp med':>9} {'comp best':>9}"
           f" {'dec med':>9} {'dec best':>9}")
@@ -245,20 +405,43 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
     ap.add_argument("--dir", type=Path, default=Path.cwd(),
                     help="where the temporary directory goes (default: the current directory)")
+    ap.add_argument("--restore-repeat", type=int, default=9,
+                    help="rounds of the restore comparison (default 9)")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="what to run (default: all)")
+    ap.add_argument("--compare-with", type=Path, metavar="DIR",
+                    help="also time restore of the snapsvc package in DIR, in the same rounds")
+    ap.add_argument("--device", default="cpu",
+                    help="where the restored model lives, e.g. cuda (default cpu): restore "
+                         "then reads through pinned memory")
+    ap.add_argument("--threads", type=int,
+                    help="torch.set_num_threads before measuring (default: torch's choice)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = ap.parse_args()
-    if args.mib < 1 or args.repeat < 1:
-        ap.error("--mib and --repeat must be at least 1")
+    if args.mib < 1 or args.repeat < 1 or args.restore_repeat < 1:
+        ap.error("--mib, --repeat and --restore-repeat must be at least 1")
+    baseline = load_baseline(args.compare_with) if args.compare_with else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     fresh = fresh_allocations()
     tensors = make_tensors(args.mib)
     load_before = os.getloadavg()[0]
+    files: list[FileRow] = []
+    restores: list[RestoreRow] = []
     with tempfile.TemporaryDirectory(prefix="snapsvc-bench-", dir=args.dir) as tmp:
-        files = bench_files(tensors, Path(tmp), args.repeat)
-    codecs = bench_levels(tensors, args.repeat)
+        if "files" in args.sections:
+            files = bench_files(tensors, Path(tmp), args.repeat)
+        if "restore" in args.sections:
+            restores = bench_restore(tensors, Path(tmp), args.restore_repeat, baseline,
+                                     args.device)
+    codecs = bench_levels(tensors, args.repeat) if "levels" in args.sections else []
     header = [
         f"snapsvc codec benchmark: {len(tensors)} tensors, "
         f"{data_bytes(tensors) / 1e6:.1f} MB of data, {args.repeat} runs each",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
+        f"torch threads {torch.get_num_threads()}, restore into a model on {args.device}"
+        + (f", baseline: snapsvc from {args.compare_with.resolve()}" if baseline else ""),
         f"python {platform.python_version()}, torch {torch.__version__}, isal {isal.__version__}, "
         f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after, files under {args.dir.resolve()}",
@@ -267,10 +450,11 @@ def main() -> None:
         "large allocations: " + ("fresh mmap each run (page faults included)" if fresh
                                  else "allocator default (glibc not found)"),
     ]
-    print_tables(files, codecs, header)
+    print_tables(files, restores, codecs, header)
     if args.json:
         report = {"mib": args.mib, "repeat": args.repeat, "header": header,
-                  "files": [asdict(r) for r in files], "codecs": [asdict(c) for c in codecs]}
+                  "files": [asdict(r) for r in files], "restore": [asdict(r) for r in restores],
+                  "codecs": [asdict(c) for c in codecs]}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

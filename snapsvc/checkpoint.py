@@ -10,19 +10,21 @@ bad file never leaves a model half-loaded.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Union
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping, Union
 
 import torch
 from torch import nn
 
 from . import fdl
 from .durable import DurableFile, commit, staged_write
-from .errors import ArchitectureMismatchError, ShapeMismatchError, StrictLoadError
-from .streams import PathOrFile, gzip_writer, is_gzip_path, open_source
+from .errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
+from .streams import CrcReader, MemoryReader, PathOrFile, gzip_writer, is_gzip_path, open_source
 
 __all__ = [
     "Checkpoint",
@@ -32,6 +34,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
+    "read_verified",
     "checkpoint_keys",
     "checkpoint_version",
     "migrate_checkpoint",
@@ -207,15 +210,132 @@ class Checkpoint:
     path: str | None = None
 
 
+def _checkpoint(dec: fdl.Decoder, entries: dict[str, torch.Tensor], path: str | None
+                ) -> Checkpoint:
+    assert dec.header is not None
+    h = dec.header.structural_hash
+    return Checkpoint(dec.header.version, h.hex() if any(h) else None, entries, path)
+
+
 def read_checkpoint(src: PathOrFile) -> Checkpoint:
     """Decode a whole checkpoint (plain or gzip) from a path or binary file."""
     with open_source(src) as s:
         dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path)
         entries = {e.name: e.tensor for e in dec.entries()}
-        header = dec.header
-    assert header is not None
-    h = header.structural_hash
-    return Checkpoint(header.version, h.hex() if any(h) else None, entries, s.path)
+    return _checkpoint(dec, entries, s.path)
+
+
+def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
+                  shared_buffer: bool = False, pin_memory: bool = False,
+                  recorded_in: str = "metadata") -> Checkpoint:
+    """Decode ``path`` (plain or gzip), checking in the same pass that the file
+    on disk has ``size`` bytes and CRC-32 ``crc32``, as recorded when it was
+    written (``recorded_in`` names the record in errors: "metadata", "manifest").
+
+    A mismatch raises :class:`FormatError` naming the file and what was
+    expected: the file is corrupt, or is newer or older than its record (an
+    overwrite that crashed between its renames). Every check is done before
+    this returns, so a caller that copies out afterwards changes nothing when
+    it raises. A file that does not decode raises FormatError as
+    :func:`read_checkpoint` does.
+
+    By default every entry is a tensor of its own. ``shared_buffer=True``
+    (plain files; gzip ignores it) reads the whole file with one
+    ``readinto`` into one buffer and makes each entry a view of it, at
+    whatever byte offset it has in the file (so not aligned): the fastest
+    way to copy a checkpoint into existing tensors, as :func:`snapsvc.restore`
+    does; copy such entries out, do not keep them. ``pin_memory`` (with
+    ``shared_buffer``) page-locks that buffer, so copies to a CUDA device
+    with ``non_blocking=True`` are direct DMA.
+    """
+    path = os.fspath(path)
+    if not (isinstance(size, int) and isinstance(crc32, int)):
+        raise FormatError(f"the {recorded_in} records size {size!r} and crc32 {crc32!r}, "
+                          "not integers", path=path)
+    with open_source(path, checksum=True) as s:
+        tap = s.tap
+        assert tap is not None and s.file_size is not None
+        _check_size(path, s.file_size, size, recorded_in)
+        if shared_buffer and not s.gzip:
+            return _read_shared(path, s.stream, tap, size, crc32, pin_memory, recorded_in)
+        dec = fdl.Decoder(s.stream, size=s.size, path=path)  # not seekable: every byte is read
+        try:
+            entries = {e.name: e.tensor for e in dec.entries()}
+        except FormatError as e:
+            tap.drain()  # a damaged file: say so, rather than what the damage broke
+            _check_file(path, tap, size, crc32, recorded_in, cause=e)
+            raise
+        tap.drain()
+        _check_file(path, tap, size, crc32, recorded_in)
+    return _checkpoint(dec, entries, path)
+
+
+_NOT_ITS_FILE = ("or it is not the file its {} was written for (an overwrite that crashed between "
+                 "its renames leaves a new file beside the old record); use an earlier checkpoint")
+
+
+def _check_size(path: str, actual: int, size: int, recorded_in: str) -> None:
+    if actual != size:
+        how = "truncated" if actual < size else "longer than it was written"
+        raise FormatError(f"the file has {actual} bytes but its {recorded_in} records {size}: "
+                          f"it is {how}, " + _NOT_ITS_FILE.format(recorded_in), path=path)
+
+
+def _check_file(path: str, tap: CrcReader, size: int, crc32: int, recorded_in: str,
+                cause: FormatError | None = None) -> None:
+    """Compare what ``tap`` saw, the whole file, with the record."""
+    _check_size(path, tap.size, size, recorded_in)  # it changed while being read
+    if tap.crc32 != crc32:
+        also = f"; decoding it failed too: {cause.reason}" if cause is not None else ""
+        raise FormatError(f"CRC-32 {tap.crc32:08x} but its {recorded_in} records {crc32:08x}: "
+                          "the file is corrupt, " + _NOT_ITS_FILE.format(recorded_in) + also,
+                          path=path)
+
+
+def _file_buffer(size: int, pin_memory: bool) -> tuple[Any, memoryview]:
+    """A writable buffer for a whole file, and a byte view of it.
+
+    The buffer is what ``torch.frombuffer`` keeps alive. Pinned: a page-locked
+    torch tensor, exported through a ctypes array that holds it. Otherwise an
+    anonymous mmap, populated in one kernel call where the OS can (measured
+    ~15 % off a 256 MiB read, against a page fault every 4 KiB while reading).
+    """
+    if pin_memory:
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        array = (ctypes.c_char * size).from_address(pinned.data_ptr())
+        array._owner = pinned  # type: ignore[attr-defined]  # lives as long as its views
+        return array, memoryview(array).cast("B")
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) \
+        | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, max(size, 1), flags=flags) if flags else mmap.mmap(-1, max(size, 1))
+    return buf, memoryview(buf)[:size]
+
+
+def _read_shared(path: str, stream: BinaryIO, tap: CrcReader, size: int, crc32: int,
+                 pin_memory: bool, recorded_in: str) -> Checkpoint:
+    """``read_verified(shared_buffer=True)`` of a plain file: read and check it
+    whole, then decode the structure from memory."""
+    buf, view = _file_buffer(size, pin_memory)
+    done = 0
+    while done < size:  # a large readinto goes past the stream's buffer, straight to the file
+        n = stream.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    tap.drain()
+    _check_file(path, tap, size, crc32, recorded_in)
+    reader = MemoryReader(view)
+    dec = fdl.Decoder(reader, size=size, seekable=True, path=path)
+    entries: dict[str, torch.Tensor] = {}
+    for e in dec.entries(load=False):  # bounds checked; data skipped by seeking
+        numel = e.nbytes // e.dtype.itemsize
+        if not numel:  # frombuffer refuses a count of 0
+            entries[e.name] = torch.empty(e.shape, dtype=e.dtype)
+            continue
+        at = reader.tell() - e.nbytes  # the decoder has just skipped the data
+        entries[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=numel, offset=at
+                                           ).view(e.shape)
+    return _checkpoint(dec, entries, path)
 
 
 def checkpoint_keys(src: PathOrFile) -> list[str]:
@@ -289,7 +409,12 @@ def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike =
             f"{report.missing[:5]}; pass strict=False to load the overlap")
     with torch.no_grad():  # in place: optimizers keep their references
         for name in report.loaded:
-            targets[name].copy_(ckpt.entries[name])
+            target = targets[name]
+            # from pinned memory (read_verified(pin_memory=True)) a copy to CUDA is async DMA
+            target.copy_(ckpt.entries[name], non_blocking=target.is_cuda)
+    # Done before returning: the source may be a buffer freed with ``ckpt``.
+    for device in {targets[name].device for name in report.loaded if targets[name].is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
     return report
 
 

@@ -14,7 +14,8 @@ show up as ``skipped`` in every load report and make ``strict`` loads fail;
 a separate ``.fdl`` keeps the model file byte-identical to one written
 without an optimizer while still reusing the same codec, checks and tools.
 The files are committed in the order model, optimizer, metadata, so the
-metadata (written last) vouches for both.
+metadata (written last) vouches for both: :func:`restore` checks each file's
+size and CRC-32 against it while reading.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import LoadReport, load_into, read_checkpoint
+from .checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from .errors import FormatError
-from .meta import meta_path, read_meta
+from .meta import Meta, meta_path, read_meta
 from .state import restore_state
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
@@ -122,6 +123,25 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     return [p for p in (meta_path(path), optim_path(path), path) if os.path.exists(p)]
 
 
+def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
+    """``path`` checked against ``meta`` while read, its entries views of one
+    buffer for copying into ``model`` (page-locked when ``model`` is on CUDA)."""
+    return read_verified(path, meta.size, meta.crc32, shared_buffer=True,
+                         pin_memory=_on_cuda(model))
+
+
+def _read_optim_file(path: str, meta: Meta) -> Checkpoint:
+    """The optimizer file beside ``path``, checked against ``meta.optimizer``
+    while read; its tensors are the optimizer's new state, so each is its own."""
+    opath = optim_path(path)
+    info = meta.optimizer or {}
+    return read_verified(opath, info.get("size"), info.get("crc32"))
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    return any(t.is_cuda for _, t in model_tensors(model))
+
+
 def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
             optimizer: torch.optim.Optimizer | None = None, *, strict: bool = False
             ) -> LoadReport:
@@ -133,7 +153,8 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
     place, modules loaded, ``load_state_dict`` called on optimizers and
     stateful objects; non-tensor values come back in ``report.state``.
     The :class:`LoadReport`'s ``epoch``, ``metrics`` and ``extra`` come from
-    the metadata. Everything is read and checked before anything changes.
+    the metadata. Everything is read and checked (each file's size and CRC-32
+    against the metadata too) before anything changes.
     """
     path = os.fspath(path)
     if isinstance(target, Mapping):
@@ -142,14 +163,13 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
         return restore_state(path, target, strict=strict)
     model = target
     meta = read_meta(path)
-    ckpt = read_checkpoint(path)
+    ckpt = _read_model_file(path, meta, model)
     optim_sd = None
     if optimizer is not None:
         if not meta.optimizer:
             raise FormatError("no optimizer state was saved with this checkpoint "
                               "(submit(..., optimizer=opt) saves it)", path=path)
-        optim_sd = optimizer_state_dict(optimizer, model,
-                                        read_checkpoint(optim_path(path)).entries,
+        optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
     report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
     if optim_sd is not None:

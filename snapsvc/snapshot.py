@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import fdl, staging
-from .checkpoint import layout_hash, persistent_buffers, read_checkpoint
+from .checkpoint import layout_hash, persistent_buffers, read_verified
 from .errors import FormatError
 from .meta import Meta, read_meta, write_with_meta
 
@@ -72,9 +72,13 @@ def snapshot_cpu(model: nn.Module, *, metrics: Mapping[str, float] | None = None
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> ModelSnapshot:
-    """Read a ``.fdl``/``.fdl.gz`` and its metadata back into a :class:`ModelSnapshot`."""
+    """Read a ``.fdl``/``.fdl.gz`` and its metadata back into a :class:`ModelSnapshot`.
+
+    The file's size and CRC-32 are checked against the metadata as it is read;
+    a mismatch is a :class:`FormatError`.
+    """
     meta = read_meta(path)
-    ckpt = read_checkpoint(path)
+    ckpt = read_verified(path, meta.size, meta.crc32)
     unknown = [b for b in meta.buffers if b not in ckpt.entries]
     if unknown or meta.entries != len(ckpt.entries):
         raise FormatError(f"metadata does not describe this checkpoint (it lists {meta.entries} "

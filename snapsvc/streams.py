@@ -5,6 +5,11 @@ reader accept. A path ending in ``.gz`` is gzip; on read, the gzip magic bytes
 are recognised too, so a misnamed file still loads. gzip failures surface as
 :class:`~snapsvc.errors.FormatError` naming the file and the offset in the
 uncompressed stream.
+
+:class:`CrcReader` sits under everything else when a reader must check a
+file against the size and CRC-32 recorded when it was written (``verify``,
+``read_verified``): the checksum covers the bytes on disk, compressed or
+not, in the same pass that decodes them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ __all__ = [
     "GZIP_MAGIC",
     "DEFAULT_GZIP_LEVEL",
     "Source",
+    "CrcReader",
     "GzipReader",
+    "MemoryReader",
     "PathOrFile",
     "is_gzip_path",
     "gzip_writer",
@@ -57,6 +64,80 @@ def gzip_writer(raw: BinaryIO, level: int | None = None) -> Iterator[BinaryIO]:
         yield gz
     finally:
         gz.close()  # closes the member, not ``raw``
+
+
+_CRC_PIECE = 4 << 20  # checksum each read while it is still in cache
+# For headers and small tensors: a read of more goes straight to the file. Also
+# small enough to come from the heap, not a fresh mmap that faults on first touch.
+_SMALL_BUFFER = 64 << 10
+
+
+class CrcReader(io.RawIOBase):
+    """Counts and CRC-32s every byte read through it from ``raw``.
+
+    Each read asks ``raw`` for at most 4 MiB, so every piece is checksummed
+    while it is still in the CPU cache: the checksum then costs about nothing
+    next to the read (it would be a second pass over memory after a large one).
+    """
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.size = 0
+        self.crc32 = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b).cast("B")[:_CRC_PIECE]
+        n = self._raw.readinto(view)
+        if n:
+            self.crc32 = isal_zlib.crc32(view[:n], self.crc32)
+            self.size += n
+        return n
+
+    def drain(self) -> None:
+        """Read ``raw`` to its end, so ``size`` and ``crc32`` cover all of it
+        (a buffered reader above may have stopped short, or a decoder failed)."""
+        scratch = memoryview(bytearray(_SMALL_BUFFER))  # usually there is nothing left
+        while self.readinto(scratch):
+            pass
+
+
+class MemoryReader(io.RawIOBase):
+    """A seekable reader over a byte buffer, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n is None or n < 0 else min(self._pos + n, len(self._view))
+        data = bytes(self._view[self._pos:end])
+        self._pos = max(self._pos, end)
+        return data
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        out = memoryview(b).cast("B")
+        data = self._view[self._pos:self._pos + len(out)]
+        n = len(data)
+        out[:n] = data
+        self._pos += n
+        return n
 
 
 class GzipReader(io.RawIOBase):
@@ -121,6 +202,8 @@ class Source:
     seekable: bool
     path: str | None
     gzip: bool
+    tap: CrcReader | None = None  # with open_source(checksum=True): every byte read from disk
+    file_size: int | None = None  # bytes on disk, for paths
 
 
 def _peek2(f: BinaryIO) -> tuple[bytes, BinaryIO]:
@@ -136,17 +219,27 @@ def _peek2(f: BinaryIO) -> tuple[bytes, BinaryIO]:
 
 
 @contextmanager
-def open_source(src: PathOrFile) -> Iterator[Source]:
-    """Open ``src`` (a path or a readable binary file) for decoding."""
+def open_source(src: PathOrFile, *, checksum: bool = False) -> Iterator[Source]:
+    """Open ``src`` (a path or a readable binary file) for decoding.
+
+    With ``checksum`` (paths only), every byte read from the file passes
+    through ``Source.tap``, a :class:`CrcReader`, and the stream does not
+    seek, so no byte escapes the checksum; call ``tap.drain()`` after
+    decoding to cover any the decoder left.
+    """
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
-        with open(path, "rb") as f:
-            head, _ = _peek2(f)
-            if path.endswith(".gz") or head == GZIP_MAGIC:
-                yield Source(GzipReader(f, path), None, False, path, True)
-            else:
-                yield Source(f, os.fstat(f.fileno()).st_size, True, path, False)
+        if checksum:
+            with open(path, "rb", buffering=0) as raw:
+                tap = CrcReader(raw)
+                yield _path_source(io.BufferedReader(tap, _SMALL_BUFFER), path,
+                                   os.fstat(raw.fileno()).st_size, tap)
+        else:
+            with open(path, "rb") as f:
+                yield _path_source(f, path, os.fstat(f.fileno()).st_size, None)
         return
+    if checksum:
+        raise TypeError("open_source(checksum=True) needs a path")
     name = getattr(src, "name", None)
     path = name if isinstance(name, str) else None
     head, stream = _peek2(src)
@@ -160,3 +253,10 @@ def open_source(src: PathOrFile) -> Iterator[Source]:
         size = stream.seek(0, io.SEEK_END) - pos
         stream.seek(pos)
     yield Source(stream, size, seekable, path, False)
+
+
+def _path_source(f: io.BufferedReader, path: str, file_size: int, tap: CrcReader | None
+                 ) -> Source:
+    if path.endswith(".gz") or f.peek(2)[:2] == GZIP_MAGIC:
+        return Source(GzipReader(f, path), None, False, path, True, tap, file_size)
+    return Source(f, file_size, tap is None, path, False, tap, file_size)

@@ -9,18 +9,15 @@ the metadata are compared too.
 
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass, field
 from typing import Any
-
-from isal import isal_zlib
 
 from . import fdl
 from .errors import FormatError
 from .meta import Meta, read_meta
 from .resume import optim_path
-from .streams import GZIP_MAGIC, GzipReader
+from .streams import open_source
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -47,47 +44,23 @@ class VerifyReport:
         return "\n".join(self.problems)
 
 
-class _CrcReader(io.RawIOBase):
-    """Counts and checksums every byte read from ``raw``."""
-
-    def __init__(self, raw: io.BufferedReader) -> None:
-        self._raw = raw
-        self.size = 0
-        self.crc32 = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        n = self._raw.readinto(b)
-        if n:
-            self.crc32 = isal_zlib.crc32(memoryview(b)[:n], self.crc32)
-            self.size += n
-        return n
-
-
 def _scan(path: str, problems: list[str]) -> tuple[int, int, int, fdl.Header | None]:
     """Decode ``path``'s structure and checksum every byte: (size, crc32, entries, header)."""
+    entries, header = 0, None
     try:
-        f = open(path, "rb")
+        with open_source(path, checksum=True) as s:
+            assert s.tap is not None
+            dec = fdl.Decoder(s.stream, size=s.size, path=path)
+            try:
+                entries = sum(1 for _ in dec.entries(load=False))
+                header = dec.header
+            except FormatError as e:
+                problems.append(str(e))
+            s.tap.drain()  # checksum whatever the decoder did not read
     except OSError as e:
         problems.append(f"cannot open {path}: {e.strerror}")
         return 0, 0, 0, None
-    entries, header = 0, None
-    with f:
-        tap = _CrcReader(f)
-        buffered = io.BufferedReader(tap, 1 << 20)
-        gz = path.endswith(".gz") or buffered.peek(2)[:2] == GZIP_MAGIC
-        stream = GzipReader(buffered, path) if gz else buffered
-        dec = fdl.Decoder(stream, size=None if gz else os.fstat(f.fileno()).st_size, path=path)
-        try:
-            entries = sum(1 for _ in dec.entries(load=False))
-            header = dec.header
-        except FormatError as e:
-            problems.append(str(e))
-        while buffered.read(1 << 20):  # checksum whatever the decoder did not read
-            pass
-    return tap.size, tap.crc32, entries, header
+    return s.tap.size, s.tap.crc32, entries, header
 
 
 def _compare(what: str, size: int, crc: int, expected: dict[str, Any], problems: list[str]

@@ -7,7 +7,8 @@
   and a ``.fdl.gz`` path, and ``checkpoint_keys`` lists the names in order.
 * Mutation: a valid file with bytes flipped, inserted, deleted, overwritten
   with hostile integers or cut off either decodes or raises ``FormatError``,
-  nothing else; and ``read_checkpoint`` and ``checkpoint_keys`` agree.
+  nothing else; and ``read_checkpoint``, ``checkpoint_keys`` and
+  ``read_verified`` (from a path, whose record matches the file) agree.
 
 The default example counts keep this file well under 30 s on a 2-core
 machine. For a long fuzz, set every test's example count (the per-test
@@ -23,6 +24,7 @@ import io
 import math
 import os
 import struct
+import zlib
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ from snapsvc import (
     read_checkpoint,
     save_checkpoint,
 )
+from snapsvc.checkpoint import read_verified
 
 LONG_FUZZ = int(os.environ.get("SNAPSVC_FUZZ_EXAMPLES") or 0)
 
@@ -212,7 +215,7 @@ def outcome(read, blob: bytes):
 @fuzz_settings(300)
 @given(entries=entry_lists(max_entries=4, max_rank=3, max_dim=3), hash_=hashes,
        ops=st.lists(mutation, min_size=1, max_size=4))
-def test_mutated_file_fails_only_with_format_error(container, entries, hash_, ops):
+def test_mutated_file_fails_only_with_format_error(container, entries, hash_, ops, workdir):
     stream = encode(entries, hash_)
     fields = integer_fields(entries)
     if container == "plain":
@@ -225,5 +228,11 @@ def test_mutated_file_fails_only_with_format_error(container, entries, hash_, op
     read = outcome(read_checkpoint, blob)
     keys = outcome(checkpoint_keys, blob)
     assert read == keys
+    # read_verified from a path, its record matching the file: only the decoder can refuse
+    path = workdir / "mutated.fdl"  # no .gz: gzip is recognised by its magic, as in memory
+    path.write_bytes(blob)
+    for shared_buffer in (False, True):
+        assert outcome(lambda _: read_verified(path, len(blob), zlib.crc32(blob),
+                                               shared_buffer=shared_buffer), blob) == read
     if read is not FormatError:
         assert checkpoint_version(io.BytesIO(blob)) in (1, 2)
