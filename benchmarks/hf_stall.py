@@ -1,0 +1,137 @@
+"""Training-loop stall per checkpoint: the stock HF Trainer against SnapsvcTrainer, one run.
+
+A BERT of about 100 MiB of float32 parameters (AdamW: about 300 MiB of state
+per checkpoint) trains on random token ids on the CPU; a checkpoint every
+``--every`` steps. The stall is the time spent inside ``_save_checkpoint``
+plus, in overlap mode, the time the next optimizer step waits for the copy.
+The stock Trainer returns once its files are in the page cache (it does not
+fsync); SnapsvcTrainer returns once the state is copied into shared memory
+(with ``overlap=True``, before the parameters and optimizer state are), and
+its checkpoint directory appears once the sidecar made it durable. ``drain``
+is the wait at the end of training for the last commits. The first snapsvc
+save also starts the sidecar and allocates the slots, so it is reported
+apart and left out of the median.
+
+    python benchmarks/hf_stall.py [--steps 20 --every 4 --out benchmarks/results/DATE-hf.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import transformers
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from snapsvc.transformers import SnapsvcTrainer
+
+
+def timed(base: type) -> type:
+    """``base`` with the time of each ``_save_checkpoint`` call recorded in ``stalls``."""
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stalls: list[float] = []
+            self.drain = 0.0
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            t0 = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            self.stalls.append(time.perf_counter() - t0)
+            writer = getattr(self, "snapsvc_writer", None)
+            if writer is not None and "wait_staged" not in vars(writer):
+                # overlap mode: the next optimizer step waits here for the copy; it
+                # counts in this checkpoint's stall
+                wait = writer.wait_staged
+
+                def timed_wait(timeout: float | None = None) -> None:
+                    t = time.perf_counter()
+                    wait(timeout)
+                    self.stalls[-1] += time.perf_counter() - t
+
+                writer.wait_staged = timed_wait
+
+        def _finalize_training(self, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            if hasattr(self, "_snapsvc_drain"):
+                self._snapsvc_drain(self.drain_timeout)
+            self.drain = time.perf_counter() - t0
+            return super()._finalize_training(*args)
+
+    Timed.__name__ = base.__name__
+    return Timed
+
+
+def model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=8192, hidden_size=512, num_hidden_layers=7, num_attention_heads=8,
+        intermediate_size=2048))
+
+
+def data(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 8192, (n, 16), generator=g)
+    return [{"input_ids": ids[i], "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
+def run(cls: type, out: str, steps: int, every: int, **kwargs: Any) -> Any:
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
+                             save_strategy="steps", save_steps=every, save_total_limit=2,
+                             lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                             logging_steps=10_000, disable_tqdm=True)
+    trainer = timed(cls)(model=model(), args=args, train_dataset=data(2 * steps), **kwargs)
+    t0 = time.perf_counter()
+    trainer.train()
+    trainer.wall = time.perf_counter() - t0
+    if hasattr(trainer, "close"):
+        trainer.close()
+    return trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--out", help="also write the report to this file")
+    a = p.parse_args()
+    mib = sum(t.numel() * t.element_size() for t in model().state_dict().values()) / 2**20
+    lines = [f"hf_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}, transformers "
+             f"{transformers.__version__}",
+             f"model: BERT, {mib:.0f} MiB float32 parameters, AdamW; {a.steps} steps, "
+             f"a checkpoint every {a.every} (save_total_limit=2)",
+             f"{'trainer':<16}{'saves':>6}{'stall p50 ms':>14}{'max ms':>9}{'first ms':>10}"
+             f"{'drain ms':>10}{'train s':>9}"]
+    medians = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        for name, cls, kwargs in (("Trainer", Trainer, {}),
+                                  ("SnapsvcTrainer", SnapsvcTrainer, {}),
+                                  ("  overlap=True", SnapsvcTrainer,
+                                   {"snapsvc_options": {"overlap": True}})):
+            t = run(cls, os.path.join(tmp, str(len(medians))), a.steps, a.every, **kwargs)
+            steady = t.stalls[1:] if cls is SnapsvcTrainer else t.stalls
+            medians[name] = statistics.median(steady)
+            lines.append(f"{name:<16}{len(t.stalls):>6}{medians[name] * 1e3:>14.1f}"
+                         f"{max(steady) * 1e3:>9.1f}{t.stalls[0] * 1e3:>10.1f}"
+                         f"{t.drain * 1e3:>10.1f}{t.wall:>9.1f}")
+    for name in ("SnapsvcTrainer", "  overlap=True"):
+        lines.append(f"stall ratio stock / {name.strip()} (medians): "
+                     f"{medians['Trainer'] / medians[name]:.2f}x")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+    sys.exit(main())
