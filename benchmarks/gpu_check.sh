@@ -4,7 +4,7 @@
 #      restore to CUDA through pinned memory);
 #   2. the GPU stall benchmark, bf16: a 1 GiB model and 4096 small tensors,
 #      blocking and overlap staging next to a raw pinned device-to-host copy of
-#      the same tensors (overlap also reports whether the compute stream waited),
+#      the same tensors (overlap: the time added per checkpoint shows the wait),
 #      and the 95 %-frozen model in incremental mode;
 #   3. restore of a 1 GiB checkpoint into a CUDA model, against torch.load +
 #      load_state_dict and a raw readinto.
