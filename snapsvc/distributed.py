@@ -78,7 +78,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
 
-import msgpack
 import torch
 import torch.distributed as dist
 from isal import isal_zlib
@@ -91,6 +90,7 @@ from .durable import atomic_write, fsync_dir
 from .errors import (DistributedCheckpointError, FormatError, ShapeMismatchError,
                      StrictLoadError, WorldSizeMismatchError)
 from .meta import Meta, meta_path, read_meta, read_msgpack_file, write_with_meta
+from .protocol import pack_value, unpack_value
 from .resume import optim_path, optimizer_state, optimizer_state_dict, restore
 from .snapshot import ModelSnapshot
 from .state import check_plain
@@ -157,7 +157,7 @@ def _write_manifest(directory: str, manifest: Manifest) -> str:
             **{k: v for k, v in asdict(manifest).items() if k != "path"}}
     path = os.path.join(directory, MANIFEST_NAME)
     with atomic_write(path) as out:   # temp, fsync, rename, fsync step dir
-        out.write(msgpack.packb(body, use_bin_type=True))
+        out.write(pack_value(body))
     fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the step_<N> entry itself
     return path
 
@@ -789,7 +789,7 @@ def _to_tensor(obj: Any) -> torch.Tensor:
 
     The ``*_object`` collectives would do this with pickle, and need numpy.
     """
-    data = msgpack.packb(obj, use_bin_type=True)
+    data = pack_value(obj)
     if len(data) > _MSG_MAX - 4:
         raise ValueError(f"coordination message of {len(data)} bytes exceeds {_MSG_MAX - 4}")
     buf = torch.zeros(_MSG_MAX, dtype=torch.uint8)
@@ -800,13 +800,13 @@ def _to_tensor(obj: Any) -> torch.Tensor:
 
 def _from_tensor(buf: torch.Tensor) -> Any:
     n = int.from_bytes(bytes(buf[:4].tolist()), "little")
-    return msgpack.unpackb(bytes(buf[4: 4 + n].tolist()), raw=False)
+    return unpack_value(bytes(buf[4: 4 + n].tolist()))
 
 
 def _all_gather_msg(obj: Any, world_size: int, group: Any) -> list[Any]:
     """Every rank's ``obj``; any size (a sharded rank sends its entry table): the
     lengths go first, then the messages padded to the longest."""
-    data = msgpack.packb(obj, use_bin_type=True)
+    data = pack_value(obj)
     if len(data) > _MAX_MANIFEST:
         raise ValueError(f"coordination message of {len(data)} bytes exceeds {_MAX_MANIFEST}")
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
@@ -817,8 +817,7 @@ def _all_gather_msg(obj: Any, world_size: int, group: Any) -> list[Any]:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
     dist.all_gather(out, buf, group=group)
-    return [msgpack.unpackb(ctypes.string_at(t.data_ptr(), int(n)), raw=False)
-            for t, n in zip(out, sizes)]
+    return [unpack_value(ctypes.string_at(t.data_ptr(), int(n))) for t, n in zip(out, sizes)]
 
 
 def _broadcast_msg(obj: Any, src: int, group: Any) -> Any:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from isal import isal_zlib
 
 from . import fdl
 from .protocol import MAX_METADATA, pack_value, unpack_value
@@ -31,7 +32,9 @@ __all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "stage_meta", "wr
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
-META_VERSION = 2          # 2: packed by snapsvc.protocol (int keys, tuples, state tree)
+# 2: the fields packed by snapsvc.protocol (int keys, tuples, state tree) and
+# checked by their own CRC-32, so a corrupt value is never read back silently
+META_VERSION = 2
 _READS = (1, META_VERSION)
 
 
@@ -60,8 +63,9 @@ class Meta:
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
     """``meta`` in a fsynced temp file beside ``checkpoint``, to be committed after it."""
+    fields = pack_value({f: getattr(meta, f) for f in Meta.__dataclass_fields__})
     body = pack_value({"magic": META_MAGIC, "meta_version": META_VERSION,
-                       **{f: getattr(meta, f) for f in Meta.__dataclass_fields__}})
+                       "crc32": isal_zlib.crc32(fields), "fields": fields})
     if len(body) > MAX_METADATA:  # the client checks this at submit; a direct caller gets it here
         raise ValueError(f"metadata for {checkpoint} is {len(body)} bytes; "
                          f"the limit is {MAX_METADATA}")
@@ -139,6 +143,17 @@ def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
         path, what="metadata", magic=META_MAGIC, version_key="meta_version",
         version=_READS, missing="no metadata file: the checkpoint is an unfinished "
         "write, or was not written by snapsvc (read_checkpoint reads its entries)")
+    if raw["meta_version"] >= 2:  # the fields, packed, under their own CRC-32
+        packed = raw.get("fields")
+        if type(packed) is not bytes or raw.get("crc32") != isal_zlib.crc32(packed):
+            raise FormatError("the metadata's CRC-32 does not match its contents: the "
+                              "metadata file is corrupt; use an earlier checkpoint", path=path)
+        try:
+            raw = unpack_value(packed)
+        except ValueError as e:
+            raise FormatError(f"metadata fields are not valid msgpack ({e})", path=path) from None
+        if not isinstance(raw, dict):
+            raise FormatError("metadata fields are not a map", path=path)
     fields = {k: raw[k] for k in Meta.__dataclass_fields__ if k in raw}
     try:
         return Meta(**fields)

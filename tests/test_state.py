@@ -282,3 +282,24 @@ def test_a_corrupt_state_file_is_refused_and_nothing_changes(tmp_path):
     with pytest.raises(snapsvc.FormatError, match="CRC-32"):
         snapsvc.restore(tmp_path / "gan.fdl", target)
     assert_same(snapshot_values(target), before)
+
+
+def test_every_corrupt_byte_of_the_metadata_is_refused(tmp_path):
+    state = {"model": nn.Linear(2, 2), "hist": {1: 0.5, 2: (3, b"x")}, "n": 7}
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(state, "m.fdl", epoch=5).result(timeout=60)
+    meta = tmp_path / "m.fdl.meta"
+    good = meta.read_bytes()
+    want = snapsvc.load(tmp_path / "m.fdl")
+    for offset in range(len(good)):
+        for flip in (0x01, 0x80):
+            bad = bytearray(good)
+            bad[offset] ^= flip
+            meta.write_bytes(bad)
+            try:
+                got = snapsvc.load(tmp_path / "m.fdl")
+            except snapsvc.FormatError:
+                continue
+            assert_same(got, want, f"offset {offset} flip {flip:#x}")  # never a wrong value
+    meta.write_bytes(good)
+    assert snapsvc.verify(tmp_path / "m.fdl").ok
