@@ -335,7 +335,8 @@ class SnapshotWriter:
                 self._sidecar.reap()
             with self._cond:
                 self._closed = True
-                self._pools.clear()
+                if not self._active:  # else the last submit still copying releases them
+                    self._pools.clear()
             _live.discard(self)
             _restore_sigterm()
 
@@ -385,6 +386,8 @@ class SnapshotWriter:
             with self._cond:
                 self._active -= 1
                 pool.users -= 1
+                if self._closed and not self._active:  # close() timed out while we copied
+                    self._pools.clear()
                 self._cond.notify_all()
 
     def _what(self, obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> _What:
@@ -435,7 +438,7 @@ class SnapshotWriter:
 
     def _stage_and_queue(self, pool: Pool, sources: list[torch.Tensor], planned: bool, path: str,
                          body: bytes, started: float, timeout: float | None) -> WriteHandle:
-        self._register(pool, timeout)
+        gen = self._register(pool, timeout)
         slot = self._acquire(pool, timeout)
         if slot is None:
             return self._skipped(path, started)
@@ -449,16 +452,20 @@ class SnapshotWriter:
         with self._cond:
             self._counts["staged_bytes"] += copied
             self._stalls.append(stage_s)
-            if self._broken is not None:  # died while we copied: nobody would resolve it
+            if self._broken is not None or self._sidecar.gen != gen or self._closed:
+                # died (or was restarted, or closed at its timeout) while we copied:
+                # nobody would resolve it, and the slot may hold half a copy
                 slot.seq = None
                 slot.copying = False
+                slot.held = None
                 self._cond.notify_all()
-                raise self._broken
+                raise self._broken or BrokenWriterError(
+                    "the writer sidecar stopped while this snapshot was copied; submit again")
             self._seq += 1
             seq = self._seq
             handle = WriteHandle(seq, path)
             slot.seq = seq
-            self._pending[seq] = _Pending(handle, slot, started, stage_s, self._sidecar.gen)
+            self._pending[seq] = _Pending(handle, slot, started, stage_s, gen)
         msg = {"path": path, "body": body}
         if rest is None:
             self._dispatch(slot, seq, msg)
@@ -472,17 +479,36 @@ class SnapshotWriter:
                                "the thread that delivers reports; hand the work to another thread")
 
     def _free(self, slot: Slot) -> None:
+        """Give back a slot whose copy did not complete (its contents are unknown)."""
         with self._cond:
             slot.seq = None
             slot.copying = False
+            slot.held = None
             self._cond.notify_all()
 
     def _dispatch(self, slot: Slot, seq: int, msg: dict[str, Any]) -> None:
-        """The slot holds the snapshot: let the writer claim it, then tell it."""
-        with self._sidecar.claim_lock:
-            slot.claim.fill_(seq)
-        self._sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
-                                         sent_at=time.monotonic(), **msg))
+        """The slot holds the snapshot: let the writer claim it, then tell it.
+
+        If the sidecar is gone (dead, or reaped by a close that timed out),
+        the handle fails here, unless the reader thread already failed it.
+        """
+        lock = self._sidecar.claim_lock
+        if lock is not None:
+            with lock:
+                slot.claim.fill_(seq)
+            if self._sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                                sent_at=time.monotonic(), **msg)):
+                return
+        with self._cond:
+            p = self._pending.pop(seq, None)
+            if p is not None:
+                slot.seq = None
+                self._counts["broken"] += 1
+                self._cond.notify_all()
+            err = self._broken or BrokenWriterError(
+                "the writer sidecar is gone (closed or dead); this snapshot was not written")
+        if p is not None:
+            p.handle._future.set_exception(err)
 
     def _finish_copy(self, rest: Callable[[], None], slot: Slot, seq: int,
                      msg: dict[str, Any]) -> None:
@@ -624,7 +650,7 @@ class SnapshotWriter:
             return slot, old
         return None, None
 
-    def _register(self, pool: list[Slot], timeout: float | None) -> None:
+    def _register(self, pool: list[Slot], timeout: float | None) -> int:
         """Hand a pool's shared memory to the current sidecar, once per generation.
 
         All slots at once, while the sidecar is likely idle: it maps them in
@@ -642,11 +668,16 @@ class SnapshotWriter:
                 break
         # Wait until the writer has mapped them: until then their fds live only
         # in this process, and a submit must not depend on it staying alive.
-        self._wait_until(lambda: all(s.gen == gen for s in pool) or self._closed, timeout,
+        self._wait_until(lambda: all(s.gen == gen for s in pool) or self._closed
+                         or self._sidecar.gen != gen, timeout,
                          "the writer sidecar has not mapped the slots")
         with self._cond:
             if self._broken is not None:
                 raise self._broken
+            if self._sidecar.gen != gen or self._closed:
+                raise BrokenWriterError("the writer sidecar restarted or closed while this "
+                                        "submit handed it its slots; submit again")
+        return gen
 
     # -- reports (on the reader thread) ----------------------------------------
     def _on_report(self, gen: int, msg: dict[str, Any]) -> None:
@@ -685,7 +716,7 @@ class SnapshotWriter:
     def _on_exit(self, gen: int, proc: Any) -> None:
         with self._cond:
             failed = [p for p in self._pending.values() if p.gen == gen]
-            orderly = self._closed or (proc.exitcode == 0 and not failed)
+            orderly = self._closing or self._closed  # any other exit is a death
             err = BrokenWriterError(f"the writer sidecar {describe(proc)}; "
                                     f"{len(failed)} pending write(s) lost to it")
             if (not orderly or failed) and gen == self._sidecar.gen:

@@ -95,7 +95,8 @@ class Copier:
                   if p != op or v != ov]
         if self.incremental == "check":
             skipped = set(range(len(sources))) - set(picked)
-            stale = sorted(i for i in skipped if not torch.equal(slot.views[i], sources[i]))
+            stale = sorted(i for i in skipped if not torch.equal(
+                slot.views[i], sources[i].to(slot.views[i].device)))  # a CUDA source: to CPU
             for i in stale:
                 log.warning("incremental staging: %r changed without a _version bump (a write "
                             "through .data?); a stale copy would have been written, copying it",

@@ -191,6 +191,9 @@ class _Walker:
                     elif type(k) is not int:
                         raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
                                                    "(only str and int keys are stored)")
+                    elif not _I64[0] <= k <= _I64[1]:
+                        raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
+                                          "in 64 bits")
                     out[k] = self.value(item, path + (k,), step)
                 return out
             items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]

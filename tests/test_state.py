@@ -229,6 +229,7 @@ def test_int_keys_in_extra_round_trip_and_never_kill_the_sidecar(tmp_path, net):
     ({"extra": {"blob": bytes(65 << 20)}}, EncodeError),
     ({"extra": {"s": "\udcff"}}, EncodeError),
     ({"extra": {"big": 2 ** 70}}, EncodeError),
+    ({"extra": {2 ** 70: "big key"}}, EncodeError),
 ])
 def test_bad_values_fail_before_a_slot_is_taken(tmp_path, net, kwargs, error):
     with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:

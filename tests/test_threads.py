@@ -210,3 +210,14 @@ def test_sigterm_handler_put_back_when_the_last_writer_closes(tmp_path):
     assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # b still needs it
     b.close()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_sidecar_that_exits_cleanly_on_its_own_is_restarted_not_waited_on(tmp_path):
+    model = nn.Linear(8, 8)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(model, "a.fdl").result(timeout=60)
+        first = w.pid
+        w._sidecar.send(snapsvc.protocol.pack(snapsvc.protocol.STOP))  # exits 0, unasked
+        assert w._sidecar.wait_exit(30)
+        assert w.submit(model, "b.fdl").result(timeout=60).bytes > 0
+        assert w.pid != first and w.stats()["restarts"] == 1
