@@ -432,12 +432,7 @@ class _Matcher:
                                             f"a {type(saved).__name__} in the checkpoint")
         targets = dict(live.named_parameters())
         targets.update(persistent_buffers(live))
-        for name, t in targets.items():
-            if name in saved:
-                self.tensor(t, saved[name], path + (name,))
-            else:
-                self.plan.report.missing.append(_name(path + (name,)))
-        self.plan.report.skipped += [_name(path + (n,)) for n in saved if n not in targets]
+        self.mapping(targets, saved, path)  # its tensors by name, as any mapping
         self.plan.report.restored.append(_name(path))
 
     def optimizer(self, live: torch.optim.Optimizer, saved: Any, path: tuple,
