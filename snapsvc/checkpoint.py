@@ -139,29 +139,29 @@ class FileStats:
     fsync_s: float      # file and directory fsync
 
 
-def stage_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
-                          hash_: bytes, *, compress_level: int | None = None
-                          ) -> tuple[DurableFile, int, float]:
-    """Encode ``entries`` into a fsynced temp file beside ``path`` (gzip on ``.gz``).
+def stage_checkpoint_file(path: str | os.PathLike[str], encoder: fdl.Encoder, *,
+                          compress_level: int | None = None) -> tuple[DurableFile, int, float]:
+    """Write ``encoder``'s stream into a fsynced temp file beside ``path`` (gzip on ``.gz``).
 
     Returns (the staged file, uncompressed stream bytes, encode seconds). The
     caller must :func:`~snapsvc.durable.commit` or ``discard`` it.
     """
     t0 = time.perf_counter()
     with staged_write(path) as out:
+        # Both consume each write before returning: the encoder may reuse its buffer.
         if is_gzip_path(path):
             with gzip_writer(out, compress_level) as gz:
-                stream_bytes = fdl.encode(gz, entries, structural_hash=hash_)
+                stream_bytes = encoder.write(gz, reuse=True)
         else:
-            stream_bytes = fdl.encode(out, entries, structural_hash=hash_)
+            stream_bytes = encoder.write(out, reuse=True)
     return out, stream_bytes, time.perf_counter() - t0 - out.write_s - out.fsync_s
 
 
 def write_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
                           hash_: bytes, *, compress_level: int | None = None) -> FileStats:
     """Encode ``entries`` durably to ``path`` (gzip when it ends in ``.gz``)."""
-    out, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
-                                                        compress_level=compress_level)
+    out, stream_bytes, encode_s = stage_checkpoint_file(
+        path, fdl.Encoder(entries, structural_hash=hash_), compress_level=compress_level)
     commit(out)
     return FileStats(out.path, out.size, out.crc32, stream_bytes, encode_s, out.write_s,
                      out.fsync_s)

@@ -372,7 +372,7 @@ class SnapshotWriter:
         self._ensure_running()
         with self._cond:
             self._check_open()
-            pool, gone, sources, planned = self._pool(what)
+            pool, gone, sources, plan = self._pool(what)
             pool.users += 1  # not trimmed while this submit uses it
             self._active += 1
             self._counts["submitted"] += 1
@@ -381,7 +381,7 @@ class SnapshotWriter:
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
             body = _pack_body(path, pool[0].buffer_bytes, epoch=epoch, metrics=metrics,
                               extra=extra, optim=what.optim, state=what.tree)
-            return self._stage_and_queue(pool, sources, planned, path, body, started, timeout)
+            return self._stage_and_queue(pool, sources, plan, path, body, started, timeout)
         finally:
             with self._cond:
                 self._active -= 1
@@ -415,28 +415,27 @@ class SnapshotWriter:
         raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "
                         f"not {type(obj).__name__}")
 
-    def _pool(self, what: _What) -> tuple[Pool, list[Slot], list[torch.Tensor], bool]:
-        """(pool, slots released as idle, copy sources, whether they are a model's
-        cached plan) for ``what`` (cond held).
+    def _pool(self, what: _What) -> tuple[Pool, list[Slot], list[torch.Tensor], Plan | None]:
+        """(pool, slots released as idle, copy sources, the model's cached plan
+        if they come from one) for ``what`` (cond held).
 
         A model's plan is looked up and made here, under the lock, so two
         threads submitting the same model share one plan and one pool.
         """
         if what.model is None:
             pool, gone = self._pools.pool(what.key, what.layout, what.pin)
-            return pool, gone, what.sources, False
+            return pool, gone, what.sources, None
         plan = self._pools.plan(what.model, what.walked)
         if plan is not None:
-            return plan.pool, self._pools.use(plan.pool), plan.sources, True
+            return plan.pool, self._pools.use(plan.pool), plan.sources, plan
         params = list(what.model.named_parameters())
         full = _what(params, list(persistent_buffers(what.model)))
         pool, gone = self._pools.pool(full.key, full.layout, full.pin)
-        self._pools.remember(what.model, Plan(
-            what.walked, full.sources, [t.shape for t in full.sources],
-            [t.dtype for t in full.sources], [t.device for t in full.sources], pool))
-        return pool, gone, full.sources, True
+        plan = Plan.make(what.walked, full.sources, pool)
+        self._pools.remember(what.model, plan)
+        return pool, gone, full.sources, plan
 
-    def _stage_and_queue(self, pool: Pool, sources: list[torch.Tensor], planned: bool, path: str,
+    def _stage_and_queue(self, pool: Pool, sources: list[torch.Tensor], plan: Plan | None, path: str,
                          body: bytes, started: float, timeout: float | None) -> WriteHandle:
         gen = self._register(pool, timeout)
         slot = self._acquire(pool, timeout)
@@ -444,7 +443,7 @@ class SnapshotWriter:
             return self._skipped(path, started)
         try:
             slot.copying = self.overlap
-            rest, copied = self._copier.stage(slot, sources, planned)
+            rest, copied = self._copier.stage(slot, sources, plan)
         except BaseException:
             self._free(slot)
             raise

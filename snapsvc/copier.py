@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from . import staging
-from .pools import Slot
+from .pools import Plan, Slot
 
 __all__ = ["Copier"]
 
@@ -55,19 +55,19 @@ class Copier:
         self._guarded = False
         self._warned = False
 
-    def stage(self, slot: Slot, sources: list[torch.Tensor], planned: bool = False
+    def stage(self, slot: Slot, sources: list[torch.Tensor], plan: Plan | None = None
               ) -> tuple[Callable[[], None] | None, int]:
         """Copy ``sources`` into ``slot``: (the rest of the copy, bytes copied).
 
         Blocking mode copies everything and returns no rest. Overlap mode
         copies the early tensors now and returns the rest of the copy, to run
         on the copier thread (CPU) or already queued on a side stream (CUDA,
-        where what is returned waits for the DMA to land). ``planned``: the
-        sources are a model's cached plan, so incremental mode may skip
-        tensors the slot already holds.
+        where what is returned waits for the DMA to land). ``plan``: the
+        sources are this cached plan's, so a full blocking copy may go group
+        by group, and incremental mode may skip tensors the slot already holds.
         """
         picked = held = None
-        if self.incremental and planned:  # the slot is reserved for this thread
+        if self.incremental and plan is not None:  # the slot is reserved for this thread
             picked, held = self._changed(slot, sources)
         slot.held = None  # until this copy is done
         views, early_idx, late_idx = slot.views, slot.early, slot.late
@@ -78,7 +78,11 @@ class Copier:
             late_idx = [j for j, i in enumerate(picked) if i not in slot.early_set]
         copied = sum(slot.layout.specs[i].nbytes for i in picked) if picked is not None \
             else slot.data_bytes
-        rest = self._copy(slot, views, sources, early_idx, late_idx)
+        if picked is None and plan is not None and not self.overlap and not slot.pinned:
+            staging.copy_groups(slot.outs, plan.flats, slot.layout, views, sources)
+            rest = None
+        else:
+            rest = self._copy(slot, views, sources, early_idx, late_idx)
         slot.held = held
         return rest, copied
 

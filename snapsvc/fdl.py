@@ -55,6 +55,7 @@ __all__ = [
     "MAX_NDIM",
     "Header",
     "Entry",
+    "Encoder",
     "encode",
     "encoded_size",
     "check_encodable",
@@ -139,9 +140,13 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy).
 
     ctypes rather than numpy: numpy is optional for torch and has no bfloat16.
+    The view keeps ``t`` alive, so a temporary (a CPU copy) stays valid for
+    a writer that holds on to the view.
     """
     n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    array = (ctypes.c_char * n).from_address(t.data_ptr())
+    array.tensor = t  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
 
 
 def check_encodable(name: object, tensor: object) -> bytes:
@@ -182,62 +187,125 @@ def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
     return total
 
 
+def _entry_header(raw_name: bytes, t: torch.Tensor) -> bytes:
+    """An entry's bytes before its data: name length, name, rank, shape, tag, byte count."""
+    return b"".join((_U32.pack(len(raw_name)), raw_name, _SHAPES[t.dim()].pack(t.dim(), *t.shape),
+                     _TAG_NBYTES.pack(DTYPE_TO_TAG[t.dtype], t.numel() * t.element_size())))
+
+
+class Encoder:
+    """``entries`` checked and laid out once, to be written any number of times.
+
+    Building one validates every entry and packs every header; :meth:`write`
+    then only moves data. The writer sidecar keeps one per slot, whose
+    tensors are views of shared memory that change between writes, so a
+    20,000-entry snapshot costs a few C-level calls per write, not Python work
+    per entry.
+
+    Small CPU tensors and the headers between them are gathered by one
+    ``torch.cat`` per batch of about 1 MiB into a fresh buffer (one write per
+    batch, not two per entry). A tensor of 64 KiB or more reaches
+    ``writer.write`` as a byte memoryview of its own memory (no copy).
+    Tensors on another device, or not contiguous, are copied to the CPU one
+    at a time when written, never all at once.
+    """
+
+    def __init__(self, entries: Iterable[tuple[str, torch.Tensor]], *,
+                 structural_hash: bytes | None = None) -> None:
+        pairs = list(entries)
+        raw_names = []
+        seen: set[str] = set()
+        for name, t in pairs:
+            raw_names.append(check_encodable(name, t))
+            if name in seen:
+                raise EncodeError(f"entry {name!r} appears twice; names must be unique")
+            seen.add(name)
+        if structural_hash is None:
+            structural_hash = bytes(HASH_LEN)
+        if len(structural_hash) != HASH_LEN:
+            raise EncodeError(f"structural hash must be {HASH_LEN} bytes, got {len(structural_hash)}")
+        if len(pairs) > 0xFFFFFFFF:
+            raise EncodeError(f"{len(pairs)} entries exceed the format's u32 count")
+        self.count = len(pairs)
+        # Every header, and each small tensor's place after it, as a list of
+        # batches: (pieces for torch.cat, bytes), then a large tensor or None.
+        headers = bytearray(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
+        marks = [0]  # where each entry's header ends in ``headers``
+        for raw, (_, t) in zip(raw_names, pairs):
+            headers += _entry_header(raw, t)
+            marks.append(len(headers))
+        self._headers = torch.frombuffer(headers, dtype=torch.uint8)
+        self._steps: list[tuple[list[torch.Tensor], int, torch.Tensor | None]] = []
+        pieces: list[torch.Tensor] = []
+        size = 0
+        start = 0  # headers not yet in a piece
+        for i, (_, t) in enumerate(pairs):
+            nbytes = t.numel() * t.element_size()
+            end = marks[i + 1]
+            inline = nbytes < _SMALL and t.is_cpu and t.is_contiguous()
+            if inline and not nbytes:
+                continue  # the header stays pending; nothing to place after it
+            pieces.append(self._headers[start:end])
+            size += end - start
+            start = end
+            if not inline:
+                self._steps.append((pieces, size, t))
+                pieces, size = [], 0
+                continue
+            pieces.append(t.detach().reshape(-1).view(torch.uint8))
+            size += nbytes
+            if size >= _BATCH:
+                self._steps.append((pieces, size, None))
+                pieces, size = [], 0
+        if start < len(headers):
+            pieces.append(self._headers[start:])
+            size += len(headers) - start
+        if pieces:
+            self._steps.append((pieces, size, None))
+        self.nbytes = len(headers) + sum(t.numel() * t.element_size() for _, t in pairs)
+        self._scratch: bytearray | None = None
+
+    def write(self, writer: BinaryIO, *, reuse: bool = False) -> int:
+        """Write the stream, with the tensors' values of now; return bytes written.
+
+        Each batch goes into a fresh buffer, as ``writer`` may keep what it is
+        handed. ``reuse=True``, for a writer known to be done with its
+        argument when ``write`` returns (a file, gzip), fills one buffer over
+        and over: no fresh pages to fault in per batch. Not for two threads
+        writing one Encoder at once.
+        """
+        scratch = None
+        if reuse and self._steps:
+            if self._scratch is None:
+                self._scratch = bytearray(max(size for _, size, _ in self._steps))
+            scratch = torch.frombuffer(self._scratch, dtype=torch.uint8)
+        for pieces, size, big in self._steps:
+            if size:
+                if scratch is None:
+                    batch = memoryview(bytearray(size))
+                    out = torch.frombuffer(batch, dtype=torch.uint8)
+                else:
+                    batch, out = memoryview(self._scratch)[:size], scratch[:size]
+                torch.cat(pieces, out=out)
+                writer.write(batch)
+            if big is not None:
+                if not (big.is_cpu and big.is_contiguous()):
+                    big = big.detach().cpu().contiguous()
+                if big.numel():
+                    writer.write(_byte_view(big))
+        return self.nbytes
+
+
 def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
            structural_hash: bytes | None = None) -> int:
     """Write ``entries`` as one ``.fdl`` stream to ``writer``; return bytes written.
 
     Every entry is validated before the first byte is written, so a refused
-    dtype or a duplicate name leaves ``writer`` untouched. Data then goes out
-    one tensor at a time: the whole file is never built in memory. A tensor of
-    64 KiB or more reaches ``writer.write`` as a byte memoryview of its own
-    memory (no copy); entry headers and smaller tensors arrive gathered in
-    batches of about 1 MiB. Tensors on another device are copied to the CPU
-    one at a time; non-contiguous ones are written in row-major order.
+    dtype or a duplicate name leaves ``writer`` untouched. See
+    :class:`Encoder` for how the data goes out: the whole file is never
+    built in memory.
     """
-    pairs = list(entries)
-    raw_names = []
-    seen: set[str] = set()
-    for name, t in pairs:
-        raw_names.append(check_encodable(name, t))
-        if name in seen:
-            raise EncodeError(f"entry {name!r} appears twice; names must be unique")
-        seen.add(name)
-    if structural_hash is None:
-        structural_hash = bytes(HASH_LEN)
-    if len(structural_hash) != HASH_LEN:
-        raise EncodeError(f"structural hash must be {HASH_LEN} bytes, got {len(structural_hash)}")
-    if len(pairs) > 0xFFFFFFFF:
-        raise EncodeError(f"{len(pairs)} entries exceed the format's u32 count")
-
-    # Headers and small tensors are gathered into one batch (one write per
-    # ~_BATCH bytes, not two per entry); a large tensor's memory goes to the
-    # writer as it is, uncopied. A batch is never reused once handed over.
-    batch = bytearray(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
-    written = 0
-    for raw, (_, t) in zip(raw_names, pairs):
-        if not (t.is_cpu and t.is_contiguous()):
-            t = t.detach().cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        batch += _U32.pack(len(raw))
-        batch += raw
-        batch += _SHAPES[t.dim()].pack(t.dim(), *t.shape)
-        batch += _TAG_NBYTES.pack(DTYPE_TO_TAG[t.dtype], nbytes)
-        if nbytes >= _SMALL:
-            writer.write(batch)
-            writer.write(_byte_view(t))
-            written += len(batch) + nbytes
-            batch = bytearray()
-            continue
-        if nbytes:
-            batch += ctypes.string_at(t.data_ptr(), nbytes)
-        if len(batch) >= _BATCH:
-            writer.write(batch)
-            written += len(batch)
-            batch = bytearray()
-    if batch:
-        writer.write(batch)
-        written += len(batch)
-    return written
+    return Encoder(entries, structural_hash=structural_hash).write(writer)
 
 
 class Decoder:

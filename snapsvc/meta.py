@@ -74,34 +74,40 @@ def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
     return out
 
 
-def write_with_meta(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
-                    meta: Meta, *, compress_level: int | None = None,
-                    optim: tuple[str, list[tuple[str, torch.Tensor]]] | None = None) -> FileStats:
+def write_with_meta(path: str | os.PathLike[str],
+                    entries: list[tuple[str, torch.Tensor]] | fdl.Encoder, meta: Meta, *,
+                    compress_level: int | None = None,
+                    optim: tuple[str, list[tuple[str, torch.Tensor]] | fdl.Encoder] | None = None
+                    ) -> FileStats:
     """Write a checkpoint, optionally its optimizer file, and its metadata.
 
     All are staged (temp file, fsync), then renamed in the order checkpoint,
     optimizer file, metadata. ``meta``'s size, checksum, entry count and
     version are filled in here; ``optim`` is (path, entries) and its
-    description must already be in ``meta.optimizer``. A failure before the
-    renames leaves any previous files of those names untouched, and no temp file.
+    description must already be in ``meta.optimizer``. Entries may come as an
+    :class:`~snapsvc.fdl.Encoder` built once (the sidecar's slots); the
+    checkpoint's must then carry ``meta.structural_hash``. A failure before
+    the renames leaves any previous files of those names untouched, and no
+    temp file.
     """
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
+    encoder = entries if isinstance(entries, fdl.Encoder) else fdl.Encoder(entries, structural_hash=hash_)
     staged: list[DurableFile] = []
     try:
-        ck, stream_bytes, encode_s = stage_checkpoint_file(path, entries, hash_,
+        ck, stream_bytes, encode_s = stage_checkpoint_file(path, encoder,
                                                            compress_level=compress_level)
         staged.append(ck)
         meta = replace(meta, format_version=fdl.VERSION, size=ck.size, crc32=ck.crc32,
-                       entries=len(entries))
+                       entries=encoder.count)
         if optim is not None:
             opath, oentries = optim
-            of, _, o_encode_s = stage_checkpoint_file(opath, oentries, bytes(fdl.HASH_LEN),
-                                                      compress_level=compress_level)
+            oenc = oentries if isinstance(oentries, fdl.Encoder) else fdl.Encoder(oentries)
+            of, _, o_encode_s = stage_checkpoint_file(opath, oenc, compress_level=compress_level)
             staged.append(of)
             encode_s += o_encode_s
             meta = replace(meta, optimizer={**(meta.optimizer or {}),
                                             "file": os.path.basename(opath), "size": of.size,
-                                            "crc32": of.crc32, "entries": len(oentries)})
+                                            "crc32": of.crc32, "entries": oenc.count})
         staged.append(stage_meta(path, meta))
     except BaseException:
         discard(*staged)

@@ -1,9 +1,14 @@
 """Shared-memory slots: where the trainer copies a snapshot for the writer.
 
 A slot is ONE flat uint8 tensor in shared memory (one file descriptor, not
-one per tensor); every model tensor is a view into it at a 64-byte aligned
-offset fixed by the :class:`Layout`. Slots are allocated once per layout and
-reused, so memory stays at ``slots x snapshot bytes``.
+one per tensor); every model tensor is a view into it at an offset fixed by
+the :class:`Layout`. Tensors of one dtype and one copy phase (see
+:data:`EARLY`) are packed back to back in a *group* that starts 64-byte
+aligned, so one ``torch.cat`` can fill a whole group: for thousands of small
+tensors that is several times faster than a copy per tensor. The file order
+of the entries is independent of where they sit in the slot. Slots are
+allocated once per layout and reused, so memory stays at ``slots x snapshot
+bytes``.
 
 With torch's default ``file_descriptor`` sharing strategy the segment is
 unlinked from /dev/shm as soon as it is mapped: nothing is left there even if
@@ -13,9 +18,10 @@ both processes are SIGKILLed.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import reduction
 from typing import Any, Iterable, Sequence
 
@@ -23,8 +29,9 @@ import torch
 
 from . import fdl
 
-__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "TensorSpec", "Layout", "allocate", "claim_word", "views",
-           "copy_into", "unpin", "ClaimLock"]
+__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
+           "TensorSpec", "Group", "Layout", "allocate", "claim_word", "views", "group_views",
+           "copy_groups", "copy_into", "unpin", "ClaimLock"]
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
@@ -37,6 +44,9 @@ PARAM, BUFFER, OPTIM = "param", "buffer", "optim"
 # (parameters, optimizer state) change only in an optimizer step, which
 # guard() can hold back; STATE ones (buffers, plain tensors) may change any time.
 STATE, STATE_STEP = "state", "state_step"
+# Kinds overlap mode copies at submit (what forward() may change); the others
+# wait for the copier thread. Never in one group with the others.
+EARLY = frozenset((BUFFER, STATE))
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,20 @@ class TensorSpec:
     offset: int
     nbytes: int
     kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Specs (indices, in file order) packed back to back from ``offset``: one dtype."""
+
+    indices: tuple[int, ...]
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _group_key(spec: TensorSpec) -> tuple[bool, torch.dtype]:
+    return spec.kind in EARLY, spec.dtype
 
 
 @dataclass(frozen=True)
@@ -63,17 +87,31 @@ class Layout:
            optim: Iterable[tuple[str, torch.Tensor]] = (),
            state: Iterable[tuple[str, str, torch.Tensor]] = ()) -> "Layout":
         """Specs in file order: ``params``, ``buffers``, then ``state`` as
-        (kind, name, tensor) triples, then ``optim`` (a file of its own)."""
-        specs = []
-        offset = HEADER
+        (kind, name, tensor) triples, then ``optim`` (a file of its own).
+        Offsets: group by group (see :attr:`groups`), packed inside each."""
         triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
                    *state, *((OPTIM, n, t) for n, t in optim)]
-        for kind, name, t in triples:
+        for _, name, t in triples:
             fdl.check_encodable(name, t)  # refuse before anything is staged
-            n = t.numel() * t.element_size()
-            specs.append(TensorSpec(name, tuple(t.shape), t.dtype, offset, n, kind))
-            offset += -(-n // ALIGN) * ALIGN
+        specs = [TensorSpec(name, tuple(t.shape), t.dtype, 0, t.numel() * t.element_size(), kind)
+                 for kind, name, t in triples]
+        offset = HEADER
+        for indices in _grouped(specs).values():
+            for i in indices:
+                specs[i] = replace(specs[i], offset=offset)
+                offset += specs[i].nbytes
+            offset = -(-offset // ALIGN) * ALIGN
         return cls(tuple(specs), offset, structural_hash)
+
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """The packed groups, in slot order."""
+        out = []
+        for indices in _grouped(self.specs).values():
+            first = self.specs[indices[0]]
+            out.append(Group(tuple(indices), first.offset,
+                             sum(self.specs[i].nbytes for i in indices), first.dtype))
+        return tuple(out)
 
     def to_msg(self) -> dict[str, Any]:
         return {"hash": self.structural_hash, "nbytes": self.nbytes,
@@ -85,6 +123,13 @@ class Layout:
         specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, kind)
                       for name, shape, tag, off, n, kind in msg["specs"])
         return cls(specs, msg["nbytes"], msg["hash"])
+
+
+def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
+    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(_group_key(spec), []).append(i)
+    return groups
 
 
 def _check_shm_room(nbytes: int) -> None:
@@ -169,6 +214,27 @@ def unpin(flat: torch.Tensor) -> None:
 def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """The slot's tensors, in layout order, as views of ``flat``."""
     return [flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in layout.specs]
+
+
+def group_views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Each group's memory in ``flat``, as one flat tensor of its dtype."""
+    return [flat[g.offset:g.offset + g.nbytes].view(g.dtype) for g in layout.groups]
+
+
+@torch.no_grad()
+def copy_groups(outs: Sequence[torch.Tensor], flats: Sequence[Sequence[torch.Tensor] | None],
+                layout: Layout, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into the slot: one ``torch.cat`` per group.
+
+    ``flats[g]`` are group ``g``'s sources as flat aliases (``t.view(-1)``),
+    or None where one is not contiguous: that group is copied tensor by
+    tensor into its views ``dst``.
+    """
+    for group, out, flat in zip(layout.groups, outs, flats):
+        if flat is not None:
+            torch.cat(flat, out=out)
+        else:
+            copy_into([dst[i] for i in group.indices], [src[i] for i in group.indices])
 
 
 @torch.no_grad()  # grad mode is per thread: the overlap copier thread needs it too

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import protocol, staging
+from . import fdl, protocol, staging
 from .durable import set_fault_hook
 from .meta import Meta, meta_path, write_with_meta
 from .resume import optim_path
@@ -55,8 +55,12 @@ class _Slot:
         self.flat = flat
         self.claim = staging.claim_word(flat)
         views = staging.views(flat, layout)
-        self.entries = [(s.name, t) for s, t in zip(layout.specs, views) if s.kind != staging.OPTIM]
-        self.optim = [(s.name, t) for s, t in zip(layout.specs, views) if s.kind == staging.OPTIM]
+        # Headers packed and entries checked once, here: a write only moves data.
+        hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
+        self.encoder = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
+                                    if s.kind != staging.OPTIM], structural_hash=hash_)
+        self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
+                                  if s.kind == staging.OPTIM])
         self.buffers = [s.name for s in layout.specs if s.kind == staging.BUFFER]
 
 
@@ -129,7 +133,7 @@ class _Sidecar:
                     state=body.get("state"))
         optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
         try:
-            stats = write_with_meta(path, slot.entries, meta, compress_level=self.compress_level,
+            stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,
                                     optim=optim)
             removed = self.prune(path)
         except OSError as e:
@@ -144,7 +148,7 @@ class _Sidecar:
             return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
                     "filename": path}
         return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
-                "entries": len(slot.entries), "encode_s": stats.encode_s,
+                "entries": slot.encoder.count, "encode_s": stats.encode_s,
                 "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}
 
     def handle(self, msg: dict[str, Any]) -> bool:

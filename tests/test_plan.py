@@ -1,0 +1,217 @@
+"""The cached copy plan of a model, the grouped slot layout and the
+precompiled encoder: the fast paths of submit() and of the sidecar.
+
+Every change to a model's tensors between two submits (replaced, resized,
+cast, moved, given other memory, made non-contiguous) must reach the file,
+with torch's C++ tensor check and with the Python fallback alike; the slot's
+grouped layout and the sidecar's encoder must write the very bytes
+``fdl.encode`` writes.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import snapsvc
+from snapsvc import fdl, pools, staging
+from snapsvc.checkpoint import layout_hash, persistent_buffers
+
+pytestmark = pytest.mark.timeout(120)
+
+GUARDS = {"torch": pools.tensor_guard, "python": pools.python_guard}
+
+
+def _same_shape_other_memory(p: torch.Tensor) -> None:
+    p.data = torch.full_like(p, 5.0)
+
+
+def _new_shape(p: torch.Tensor) -> None:
+    p.data = torch.full((p.numel() + 3,), 2.0)
+
+
+def _cast(p: torch.Tensor) -> None:
+    p.data = p.data.double()
+
+
+def _transpose_same_memory(p: torch.Tensor) -> None:
+    p.data = p.data.t()  # same storage pointer, other shape and strides
+
+
+def _view_same_memory(p: torch.Tensor) -> None:
+    p.data = p.data.reshape(-1)  # same storage pointer and numel, other shape
+
+
+def _strided(p: torch.Tensor) -> None:
+    p.data = torch.arange(2 * p.numel(), dtype=p.dtype)[::2].reshape(p.shape)
+
+
+def _swap(p: torch.Tensor) -> None:
+    torch.utils.swap_tensors(p, nn.Parameter(torch.full((7,), 4.0)))
+
+
+def _frozen(p: torch.Tensor) -> None:
+    p.requires_grad_(False)
+
+
+def _in_place(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.add_(1.5)
+
+
+MUTATIONS = [_same_shape_other_memory, _new_shape, _cast, _transpose_same_memory,
+             _view_same_memory, _strided, _swap, _frozen, _in_place]
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("mutate", MUTATIONS[:-2], ids=lambda f: f.__name__)
+def test_a_changed_tensor_fails_the_plan(guard, mutate, monkeypatch):
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model = nn.Linear(3, 4)
+    walked = pools.walk(model)
+    sources = [model.weight, model.bias]
+    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    pool = pools.Pool([pools.Slot(1, layout, False)])
+    plan = pools.Plan.make(walked, sources, pool)
+    assert plan.matches(pools.walk(model))
+    mutate(model.weight)
+    assert not plan.matches(pools.walk(model))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_values_changed_in_place_keep_the_plan(guard, monkeypatch):
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model = nn.Linear(3, 4)
+    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    plan = pools.Plan.make(pools.walk(model), [model.weight, model.bias],
+                           pools.Pool([pools.Slot(1, layout, False)]))
+    _in_place(model.weight)
+    assert plan.matches(pools.walk(model))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_every_change_reaches_the_file(tmp_path, guard, monkeypatch):
+    """Through the sidecar: after each change the file equals the model at its submit."""
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(model, "p0.fdl").result(timeout=60)
+        for i, mutate in enumerate(MUTATIONS, 1):
+            mutate(model[0].weight)
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            w.submit(model, f"p{i}.fdl").result(timeout=60)
+            got = snapsvc.read_checkpoint(tmp_path / f"p{i}.fdl").entries
+            assert list(got) == list(want), mutate.__name__
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), \
+                    (mutate.__name__, k)
+
+
+def _mixed_model() -> nn.Module:
+    """Every .fdl dtype, parameters and buffers interleaved, a non-contiguous one."""
+    m = nn.Module()
+    for i, dtype in enumerate(fdl.DTYPE_TO_TAG):
+        t = (torch.arange(6) * (i + 1)).to(dtype).reshape(2, 3)
+        if dtype.is_floating_point:
+            m.register_parameter(f"p{i}", nn.Parameter(t))
+        m.register_buffer(f"b{i}", t + 1)
+    m.register_buffer("scalar", torch.tensor(3.5))
+    m.register_buffer("empty", torch.zeros(0, 4))
+    m.register_parameter("tr", nn.Parameter(torch.arange(12.0).reshape(3, 4).t()))
+    return m
+
+
+@pytest.mark.parametrize("dtype", list(fdl.DTYPE_TO_TAG), ids=str)
+def test_groups_pack_each_dtype_and_phase(dtype):
+    params = [("w", torch.zeros(3, dtype=dtype)), ("x", torch.zeros(5, dtype=torch.float32))]
+    buffers = [("b", torch.zeros(2, dtype=dtype)), ("c", torch.zeros((), dtype=dtype))]
+    layout = staging.Layout.of(params, buffers, "")
+    for g in layout.groups:
+        specs = [layout.specs[i] for i in g.indices]
+        assert g.offset % staging.ALIGN == 0
+        assert {s.dtype for s in specs} == {g.dtype}
+        assert len({s.kind in staging.EARLY for s in specs}) == 1
+        at = g.offset
+        for s in specs:  # back to back, in file order
+            assert s.offset == at
+            at += s.nbytes
+        assert at - g.offset == g.nbytes
+    covered = sorted(i for g in layout.groups for i in g.indices)
+    assert covered == list(range(len(layout.specs)))
+    assert layout.groups == staging.Layout.from_msg(layout.to_msg()).groups
+
+
+def test_grouped_slot_writes_the_bytes_encode_writes(tmp_path):
+    """Mixed dtypes, a scalar, an empty and a transposed tensor, through the
+    sidecar twice (the second time from the cached plan): byte for byte what
+    fdl.encode makes of the same state."""
+    m = _mixed_model()
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        for i in range(2):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1)
+            want = io.BytesIO()
+            fdl.encode(want, list(m.state_dict().items()),
+                       structural_hash=bytes.fromhex(layout_hash(
+                           list(m.named_parameters()), list(persistent_buffers(m)))))
+            w.submit(m, f"m{i}.fdl").result(timeout=60)
+            assert (tmp_path / f"m{i}.fdl").read_bytes() == want.getvalue()
+
+
+class Keep(io.RawIOBase):
+    """A writer that keeps what it is handed (as some do), copying nothing."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.parts.append(memoryview(b))
+        return memoryview(b).nbytes
+
+    def value(self) -> bytes:
+        return b"".join(bytes(p.cast("B")) for p in self.parts)
+
+
+def _entries() -> list[tuple[str, torch.Tensor]]:
+    big = torch.arange(1 << 15, dtype=torch.float32)  # 128 KiB: written uncopied
+    return [("e0", torch.zeros(0)), ("a", torch.ones(3)), ("z", torch.zeros(0, 2)),
+            ("big", big), ("big2", big + 1), ("s", torch.tensor(2.0, dtype=torch.float64)),
+            ("t", torch.arange(6).reshape(2, 3).t()), *((f"n{i}", torch.full((40,), i * 1.0))
+                                                         for i in range(30_000)),
+            ("last", torch.zeros(0))]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_encoder_writes_current_values_every_time(reuse):
+    entries = _entries()
+    enc = fdl.Encoder(entries)
+    first = io.BytesIO()
+    assert enc.write(first, reuse=reuse) == enc.nbytes == fdl.encoded_size(entries)
+    for _, t in entries:
+        t.add_(1) if t.dtype.is_floating_point else t.mul_(2)
+    second = io.BytesIO()
+    enc.write(second, reuse=reuse)
+    want = io.BytesIO()
+    fdl.encode(want, entries)
+    assert second.getvalue() == want.getvalue() != first.getvalue()
+    got = list(fdl.Decoder(io.BytesIO(want.getvalue()), size=enc.nbytes).entries())
+    assert [e.name for e in got] == [n for n, _ in entries]
+    assert all(torch.equal(e.tensor, t) for e, (_, t) in zip(got, entries))
+
+
+def test_encoder_never_reuses_a_buffer_a_writer_keeps():
+    entries = _entries()
+    keep = Keep()
+    enc = fdl.Encoder(entries)
+    enc.write(keep)
+    enc.write(io.BytesIO())  # a second write must not change what the first handed over
+    want = io.BytesIO()
+    fdl.encode(want, entries)
+    assert keep.value() == want.getvalue()
