@@ -27,6 +27,7 @@ from .errors import FormatError
 
 __all__ = [
     "GZIP_MAGIC",
+    "CRC_PIECE",
     "DEFAULT_GZIP_LEVEL",
     "Source",
     "CrcReader",
@@ -66,7 +67,7 @@ def gzip_writer(raw: BinaryIO, level: int | None = None) -> Iterator[BinaryIO]:
         gz.close()  # closes the member, not ``raw``
 
 
-_CRC_PIECE = 4 << 20  # checksum each read while it is still in cache
+CRC_PIECE = 4 << 20  # checksum each read while it is still in cache
 # For headers and small tensors: a read of more goes straight to the file. Also
 # small enough to come from the heap, not a fresh mmap that faults on first touch.
 _SMALL_BUFFER = 64 << 10
@@ -89,7 +90,7 @@ class CrcReader(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b).cast("B")[:_CRC_PIECE]
+        view = memoryview(b).cast("B")[:CRC_PIECE]
         n = self._raw.readinto(view)
         if n:
             self.crc32 = isal_zlib.crc32(view[:n], self.crc32)

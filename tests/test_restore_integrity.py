@@ -103,6 +103,16 @@ def saved(tmp_path_factory) -> Saved:
     return Saved(d, first)
 
 
+@pytest.fixture(params=["mapped", "read"])
+def reads(request, monkeypatch):
+    """Plain files are checked through a mapping of the file, or, where it
+    cannot be mapped, read into a buffer: both must refuse the same damage."""
+    if request.param == "read":
+        from snapsvc import checkpoint
+        monkeypatch.setattr(checkpoint, "_read_mapped", lambda *a, **k: None)
+    return request.param
+
+
 def copy(saved: Saved, stem: str, suffix: str, dest: Path) -> Path:
     """The checkpoint ``stem`` + ``suffix`` ("fdl" or "fdl.gz") and its files, into ``dest``."""
     gz = ".gz" if suffix.endswith(".gz") else ""
@@ -139,7 +149,7 @@ def restore_fails(ckpt: Path, bad: Path, match: str, *, with_optimizer: bool = T
 
 # -- a clean checkpoint -------------------------------------------------------------
 @pytest.mark.parametrize("suffix", ["fdl", "fdl.gz"])
-def test_clean_checkpoint_restores_bit_exactly(saved, suffix, tmp_path):
+def test_clean_checkpoint_restores_bit_exactly(saved, suffix, tmp_path, reads):
     path = copy(saved, "ck", suffix, tmp_path)
     model, opt = make(1)
     assert not same(state(model, opt), saved.state)
@@ -149,7 +159,7 @@ def test_clean_checkpoint_restores_bit_exactly(saved, suffix, tmp_path):
 
 
 # -- damage ---------------------------------------------------------------------------
-def test_flipped_data_byte_in_model_file(saved, tmp_path):
+def test_flipped_data_byte_in_model_file(saved, tmp_path, reads):
     path = copy(saved, "ck", "fdl", tmp_path)
     flip_data_byte(path, saved.state["model"]["0.weight"])
     for with_optimizer in (True, False):
@@ -157,7 +167,7 @@ def test_flipped_data_byte_in_model_file(saved, tmp_path):
                       with_optimizer=with_optimizer)
 
 
-def test_flipped_data_byte_in_optimizer_file(saved, tmp_path):
+def test_flipped_data_byte_in_optimizer_file(saved, tmp_path, reads):
     path = copy(saved, "ck", "fdl", tmp_path)
     opath = tmp_path / "ck.optim.fdl"
     flip_data_byte(opath, saved.state["opt"]["state"][0]["exp_avg"])
@@ -174,7 +184,7 @@ def test_flipped_byte_in_gzip_file(saved, which, tmp_path):
 
 @pytest.mark.parametrize("suffix, which", [("fdl", "fdl"), ("fdl", "optim.fdl"),
                                            ("fdl.gz", "fdl.gz")])
-def test_truncated_file(saved, suffix, which, tmp_path):
+def test_truncated_file(saved, suffix, which, tmp_path, reads):
     path = copy(saved, "ck", suffix, tmp_path)
     bad = tmp_path / f"ck.{which}"
     size = bad.stat().st_size
@@ -185,13 +195,13 @@ def test_truncated_file(saved, suffix, which, tmp_path):
 
 
 @pytest.mark.parametrize("suffix", ["fdl", "fdl.gz"])
-def test_new_file_beside_old_metadata(saved, suffix, tmp_path):
+def test_new_file_beside_old_metadata(saved, suffix, tmp_path, reads):
     """An overwrite that crashed after renaming the checkpoint, before its metadata."""
     path = copy(saved, "old", suffix, tmp_path)
     restore_fails(path, path, "not the file its metadata was written for")
 
 
-def test_file_longer_than_recorded(saved, tmp_path):
+def test_file_longer_than_recorded(saved, tmp_path, reads):
     path = copy(saved, "ck", "fdl", tmp_path)
     with open(path, "ab") as f:
         f.write(b"\0")
@@ -218,7 +228,7 @@ def test_load_snapshot_new_file_beside_old_metadata(saved, tmp_path):
 # -- read_verified, the reusable check ------------------------------------------------
 @pytest.mark.parametrize("suffix", ["fdl", "fdl.gz"])
 @pytest.mark.parametrize("shared_buffer", [False, True])
-def test_read_verified_matches_read_checkpoint(saved, suffix, shared_buffer):
+def test_read_verified_matches_read_checkpoint(saved, suffix, shared_buffer, reads):
     from snapsvc.checkpoint import read_verified
     from snapsvc.meta import read_meta
 
