@@ -29,14 +29,15 @@ import os
 import secrets
 import time
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from isal import isal_zlib
 
 from .errors import PathError
 
 __all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
-           "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name"]
+           "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name", "set_aside",
+           "unlink_quietly"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
 _NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
@@ -150,11 +151,7 @@ def fsync_dir(directory: str) -> None:
 
 def discard(*files: DurableFile) -> None:
     """Remove the temp files of staged writes that will not be committed."""
-    for f in files:
-        try:
-            os.unlink(f.tmp_path)
-        except FileNotFoundError:
-            pass
+    unlink_quietly(f.tmp_path for f in files)
 
 
 def _name_max(directory: str) -> int:
@@ -178,15 +175,12 @@ def check_final_name(path: str | os.PathLike[str]) -> None:
                         "the file system allows; use a shorter name")
 
 
-def _create_temp(path: str) -> tuple[int, str]:
-    """Create a new, empty temp file beside ``path``: (fd, temp path).
+def _temp_names(path: str) -> Iterator[str]:
+    """Candidate temp names beside ``path``: ``.<base>.<pid>.<random>`` + :data:`TMP_SUFFIX`.
 
-    Named ``.<base>.<pid>.<random>`` + :data:`TMP_SUFFIX` (the pid is what
-    :func:`remove_stale_temps` reads); ``<base>`` is the final name, cut at a
-    character boundary when the whole would exceed the name limit. Created
-    with mode 0666 so the kernel applies the umask (and a directory's default
-    ACL) exactly as for ``open()``: reading the umask to chmod afterwards is
-    not thread-safe (``os.umask`` can only be read by setting it).
+    The pid is what :func:`remove_stale_temps` reads; ``<base>`` is the final
+    name, cut at a character boundary when the whole would exceed the name
+    limit. 32 random bits: a clash is rare, a hundred in a row impossible.
     """
     directory, base = os.path.split(path)
     pid = os.getpid()
@@ -194,14 +188,56 @@ def _create_temp(path: str) -> tuple[int, str]:
     encoded = os.fsencode(base)
     if len(encoded) > room:
         base = encoded[:max(room, 0)].decode("utf-8", "ignore")
+    for _ in range(100):
+        yield os.path.join(directory, f".{base}.{pid}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def _create_temp(path: str) -> tuple[int, str]:
+    """Create a new, empty temp file beside ``path``: (fd, temp path).
+
+    Created with mode 0666 so the kernel applies the umask (and a
+    directory's default ACL) exactly as for ``open()``: reading the umask to
+    chmod afterwards is not thread-safe (``os.umask`` can only be read by
+    setting it).
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-    for _ in range(100):  # 32 random bits: a clash is rare, a hundred in a row impossible
-        tmp = os.path.join(directory, f".{base}.{pid}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    tmp = path
+    for tmp in _temp_names(path):
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
+
+
+def set_aside(path: str) -> str | None:
+    """Give the file ``path`` a second, hidden temp name; return it (None if
+    there is no such file, or links are not supported).
+
+    Removing or replacing the last name of a large file frees its blocks and
+    page cache on the spot: tens of ms for 256 MiB. With a second name, that
+    work waits until the caller unlinks the returned name, e.g. after it has
+    reported a new checkpoint durable. A crash leaves only a temp file,
+    which :func:`remove_stale_temps` removes.
+    """
+    for tmp in _temp_names(path):
+        try:
+            os.link(path, tmp, follow_symlinks=False)
+            return tmp
+        except FileExistsError:
+            continue
+        except OSError:  # no such file, or a file system without hard links
+            return None
+    return None
+
+
+def unlink_quietly(paths: Iterable[str]) -> None:
+    """Remove ``paths``, ignoring those already gone."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 @contextmanager
@@ -236,14 +272,20 @@ def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
         raise
 
 
-def commit(*files: DurableFile) -> None:
+def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
     """Rename staged files into place in the given order, then fsync their directories.
 
-    If a rename fails, the files not yet renamed are discarded.
+    If a rename fails, the files not yet renamed are discarded. With
+    ``trash``, each file replaced is first :func:`set_aside` and its temp
+    name appended there, for the caller to unlink once it is done timing.
     """
     for i, f in enumerate(files):
         try:
             _fault("rename", f.path)
+            if trash is not None:
+                old = set_aside(f.path)
+                if old is not None:
+                    trash.append(old)
             os.replace(f.tmp_path, f.path)
         except BaseException:
             discard(*files[i:])

@@ -77,8 +77,8 @@ def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
 def write_with_meta(path: str | os.PathLike[str],
                     entries: list[tuple[str, torch.Tensor]] | fdl.Encoder, meta: Meta, *,
                     compress_level: int | None = None,
-                    optim: tuple[str, list[tuple[str, torch.Tensor]] | fdl.Encoder] | None = None
-                    ) -> FileStats:
+                    optim: tuple[str, list[tuple[str, torch.Tensor]] | fdl.Encoder] | None = None,
+                    trash: list[str] | None = None) -> FileStats:
     """Write a checkpoint, optionally its optimizer file, and its metadata.
 
     All are staged (temp file, fsync), then renamed in the order checkpoint,
@@ -88,7 +88,7 @@ def write_with_meta(path: str | os.PathLike[str],
     :class:`~snapsvc.fdl.Encoder` built once (the sidecar's slots); the
     checkpoint's must then carry ``meta.structural_hash``. A failure before
     the renames leaves any previous files of those names untouched, and no
-    temp file.
+    temp file. ``trash``: see :func:`~snapsvc.durable.commit`.
     """
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
     encoder = entries if isinstance(entries, fdl.Encoder) else fdl.Encoder(entries, structural_hash=hash_)
@@ -112,7 +112,7 @@ def write_with_meta(path: str | os.PathLike[str],
     except BaseException:
         discard(*staged)
         raise
-    commit(*staged)
+    commit(*staged, trash=trash)
     return FileStats(ck.path, ck.size, ck.crc32, stream_bytes, encode_s,
                      sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import fdl, protocol, staging
-from .durable import set_fault_hook
+from .durable import set_aside, set_fault_hook, unlink_quietly
 from .meta import Meta, meta_path, write_with_meta
 from .resume import optim_path
 
@@ -93,12 +93,14 @@ class _Sidecar:
             slot.claim.fill_(STARTED)
             return True
 
-    def prune(self, path: str) -> list[str]:
+    def prune(self, path: str, trash: list[str]) -> list[str]:
         """keep_last: drop our oldest files of ``path``'s series once it is durable.
 
         A series is the names in one directory that differ only in their
         digits (``step100.fdl`` and ``step200.fdl``, not ``best.fdl``), so a
         ``best.fdl`` saved through the same writer is never rotated away.
+        Each file loses its name now; its data is freed after the report
+        (see :func:`~snapsvc.durable.set_aside`), through ``trash``.
         """
         series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
         mine = self.written.setdefault(series, [])
@@ -109,14 +111,19 @@ class _Sidecar:
         while self.keep_last is not None and len(mine) > self.keep_last:
             old = mine.pop(0)
             for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
+                aside = set_aside(p)
                 try:
                     os.unlink(p)
                     removed.append(p)
                 except FileNotFoundError:
                     pass
+                if aside is not None:
+                    trash.append(aside)
         return removed
 
-    def write(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def write(self, msg: dict[str, Any], trash: list[str]) -> dict[str, Any]:
+        """Write one snapshot; its report. Files replaced or rotated away go
+        to ``trash``, to be freed once the report is out."""
         started = time.monotonic()
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
@@ -134,8 +141,8 @@ class _Sidecar:
         optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
         try:
             stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,
-                                    optim=optim)
-            removed = self.prune(path)
+                                    optim=optim, trash=trash)
+            removed = self.prune(path, trash)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)
             detail = e.strerror or str(e)
@@ -155,7 +162,9 @@ class _Sidecar:
         """Act on one message; False means stop."""
         op = msg["op"]
         if op == protocol.WRITE:
-            self.report(protocol.DONE, **self.write(msg))
+            trash: list[str] = []
+            self.report(protocol.DONE, **self.write(msg, trash))
+            unlink_quietly(trash)  # freeing old data is not on the durable clock
         elif op == protocol.SLOT:
             flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
             self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)

@@ -208,6 +208,19 @@ def test_keep_last(tmp_path, net):
     assert (tmp_path / "not-mine.fdl").exists()
 
 
+def test_overwritten_and_rotated_files_are_freed_after_the_report(tmp_path, net):
+    """Old data is set aside under a temp name, freed once the report is out:
+    at close nothing but the kept checkpoints remains."""
+    with snapsvc.SnapshotWriter(tmp_path, keep_last=2) as w:
+        for i in range(6):
+            with torch.no_grad():
+                net.head.bias.fill_(i)
+            w.submit(net, f"s{i % 3}.fdl").result(timeout=60)
+            assert (tmp_path / f"s{i % 3}.fdl").exists()
+    assert sorted(os.listdir(tmp_path)) == ["s1.fdl", "s1.fdl.meta", "s2.fdl", "s2.fdl.meta"]
+    assert torch.equal(file_state(tmp_path / "s2.fdl")["head.bias"], torch.full((2,), 5.0))
+
+
 def test_write_error_is_reported_and_sidecar_keeps_serving(tmp_path, net):
     gone = tmp_path / "gone"
     with snapsvc.SnapshotWriter(tmp_path) as w:

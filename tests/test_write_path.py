@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import io
+import multiprocessing
+import os
 import zlib
 
+import pytest
 import torch
 
 from snapsvc import durable, fdl
@@ -70,3 +74,55 @@ def test_durable_file_chunked_writes_match_one_buffer(tmp_path, monkeypatch):
     want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     assert path.read_bytes() == want
     assert (out.size, out.crc32) == (len(want), zlib.crc32(want))
+
+
+def _temps(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(durable.TMP_SUFFIX))
+
+
+def test_commit_sets_a_replaced_file_aside_until_the_caller_frees_it(tmp_path):
+    path = tmp_path / "ck.fdl"
+    path.write_bytes(b"old")
+    with durable.staged_write(path) as out:
+        out.write(b"new")
+    trash: list[str] = []
+    durable.commit(out, trash=trash)
+    assert path.read_bytes() == b"new"
+    assert len(trash) == 1 and open(trash[0], "rb").read() == b"old"  # not freed yet
+    assert _temps(tmp_path) == [os.path.basename(trash[0])]
+    durable.unlink_quietly(trash + trash)  # twice: already gone is fine
+    assert _temps(tmp_path) == []
+
+
+def test_set_aside_without_hard_links_falls_back(tmp_path, monkeypatch):
+    path = tmp_path / "ck.fdl"
+    path.write_bytes(b"old")
+    assert durable.set_aside(str(tmp_path / "missing")) is None
+
+    def no_links(*a, **k):
+        raise PermissionError(errno.EPERM, "no hard links here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert durable.set_aside(str(path)) is None
+    with durable.staged_write(path) as out:
+        out.write(b"new")
+    trash: list[str] = []
+    durable.commit(out, trash=trash)  # replaced in place, freed on the spot
+    assert path.read_bytes() == b"new" and trash == [] and _temps(tmp_path) == []
+
+
+def _aside_and_exit(path: str) -> None:
+    durable.set_aside(path)  # then die without freeing it
+
+
+@pytest.mark.timeout(60)
+def test_a_set_aside_file_left_by_a_dead_process_is_a_stale_temp(tmp_path):
+    path = tmp_path / "ck.fdl"
+    path.write_bytes(b"data")
+    proc = multiprocessing.get_context("spawn").Process(target=_aside_and_exit, args=(str(path),))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and len(_temps(tmp_path)) == 1
+    removed = durable.remove_stale_temps(tmp_path)
+    assert len(removed) == 1 and _temps(tmp_path) == []
+    assert path.read_bytes() == b"data"
