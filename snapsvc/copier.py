@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from .pools import Plan, Slot
 __all__ = ["Copier"]
 
 log = logging.getLogger("snapsvc")
+_version = operator.attrgetter("_version")
 
 
 class Copier:
@@ -69,6 +71,8 @@ class Copier:
         picked = held = None
         if self.incremental and plan is not None:  # the slot is reserved for this thread
             picked, held = self._changed(slot, sources)
+            if picked is not None and len(picked) == len(sources):
+                picked = None  # all changed: a whole copy, group by group
         slot.held = None  # until this copy is done
         views, early_idx, late_idx = slot.views, slot.early, slot.late
         if picked is not None:
@@ -89,14 +93,17 @@ class Copier:
     def _changed(self, slot: Slot, sources: list[torch.Tensor]) -> tuple[list[int] | None, Any]:
         """(indices of ``sources`` that differ from what ``slot`` holds, or None
         for all; what the slot holds after this copy)."""
-        ptrs = [t.data_ptr() for t in sources]
-        versions = [t._version for t in sources]
+        ptrs = list(map(torch.Tensor.data_ptr, sources))
+        versions = list(map(_version, sources))
         held, now = slot.held, (sources, ptrs, versions)
         if held is None or held[0] is not sources:
             return None, now
         _, old_ptrs, old_versions = held
-        picked = [i for i, (p, v, op, ov) in enumerate(zip(ptrs, versions, old_ptrs, old_versions))
-                  if p != op or v != ov]
+        if ptrs == old_ptrs and versions == old_versions:  # one C-level pass each
+            picked = []
+        else:
+            picked = [i for i, (p, v, op, ov) in enumerate(zip(ptrs, versions, old_ptrs,
+                                                               old_versions)) if p != op or v != ov]
         if self.incremental == "check":
             skipped = set(range(len(sources))) - set(picked)
             stale = sorted(i for i in skipped if not torch.equal(

@@ -215,3 +215,15 @@ def test_encoder_never_reuses_a_buffer_a_writer_keeps():
     want = io.BytesIO()
     fdl.encode(want, entries)
     assert keep.value() == want.getvalue()
+
+
+def test_without_torchs_tensor_check_the_python_one_is_used(monkeypatch):
+    """A torch without dynamo's TensorGuards (a private API) still gets a complete check."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", None)  # import fails
+    t = torch.zeros(3)
+    check = pools.tensor_guard([t])
+    assert check([t])
+    t.data = torch.zeros(3, dtype=torch.float64)
+    assert not check([t])
