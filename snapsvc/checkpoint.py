@@ -243,13 +243,13 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
     :func:`read_checkpoint` does.
 
     By default every entry is a tensor of its own. ``shared_buffer=True``
-    (plain files; gzip ignores it) reads the whole file with one
-    ``readinto`` into one buffer and makes each entry a view of it, at
-    whatever byte offset it has in the file (so not aligned): the fastest
-    way to copy a checkpoint into existing tensors, as :func:`snapsvc.restore`
-    does; copy such entries out, do not keep them. ``pin_memory`` (with
-    ``shared_buffer``) page-locks that buffer, so copies to a CUDA device
-    with ``non_blocking=True`` are direct DMA.
+    (plain files; gzip ignores it) makes each entry a view, at whatever byte
+    offset it has in the file (so not aligned), of one private mapping of
+    the file, checked whole before this returns: the fastest way to copy a
+    checkpoint into existing tensors, as :func:`snapsvc.restore` does; copy
+    such entries out, do not keep them. ``pin_memory`` (with
+    ``shared_buffer``) reads the file into one page-locked buffer instead, so
+    copies to a CUDA device with ``non_blocking=True`` are direct DMA.
     """
     path = os.fspath(path)
     if not (isinstance(size, int) and isinstance(crc32, int)):

@@ -8,7 +8,9 @@ Data flow between the two processes::
       | check values, pack metadata body (protocol)
       | pick slot k of the layout's pool (pools.py; policy block/skip/latest)
       | copy tensors ---> slot k (copier.py) ======= one shared-memory mapping per slot ======
-      | claim[k] = seq                             (sent once: {SLOT k, layout} + handle)
+      |   (a model's cached plan: one torch.cat     (sent once: {SLOT k, layout} + handle;
+      |    per dtype group of the slot)              the writer builds its fdl.Encoder)
+      | claim[k] = seq
       | req pipe: {WRITE seq, k, path, body} --->  claim k (or skip if superseded)
       v return WriteHandle                         encode .fdl(.gz) from slot k
                                                    temp file -> fsync -> rename -> .meta

@@ -124,8 +124,9 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
 
 
 def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
-    """``path`` checked against ``meta`` while read, its entries views of one
-    buffer for copying into ``model`` (page-locked when ``model`` is on CUDA)."""
+    """``path`` checked against ``meta``, its entries views of one mapping of
+    the file for copying into ``model`` (of a page-locked buffer when
+    ``model`` is on CUDA)."""
     return read_verified(path, meta.size, meta.crc32, shared_buffer=True,
                          pin_memory=_on_cuda(model))
 
