@@ -151,8 +151,10 @@ def _what(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch
           optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
           state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
           structural_hash: str | None = None) -> _What:
-    pairs = [*params, *buffers, *((n, t) for _, n, t in state), *optim]
-    check_sources(pairs)  # whatever pool a same-shaped snapshot made before
+    model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
+    check_sources(model_pairs)  # whatever pool a same-shaped snapshot made before
+    check_sources(list(optim))  # a file of its own
+    pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
     key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
            tuple((n, t.shape, t.dtype) for n, t in pairs))

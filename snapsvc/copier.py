@@ -83,7 +83,7 @@ class Copier:
         copied = sum(slot.layout.specs[i].nbytes for i in picked) if picked is not None \
             else slot.data_bytes
         if picked is None and plan is not None and not self.overlap and not slot.pinned:
-            staging.copy_groups(slot.outs, plan.flats, slot.layout, views, sources)
+            staging.copy_groups(slot.outs, plan.steps, views, sources)
             rest = None
         else:
             rest = self._copy(slot, views, sources, early_idx, late_idx)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import fdl, staging
-from .errors import SlotBudgetError
+from .errors import EncodeError, SlotBudgetError
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "check_sources", "tensor_guard",
            "python_guard", "RESERVED"]
@@ -102,17 +102,20 @@ def tensor_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], 
     Uses torch's own C++ tensor check (dynamo's ``TensorGuards``: one call,
     about 0.1 us per tensor) when this torch has it and it accepts these
     tensors; else the same comparison from Python (about 0.3 us per tensor).
-    Dynamo's check also compares ``requires_grad`` and dispatch keys: a
-    change there fails it, which only costs a new plan.
+    Dynamo's check also compares ``requires_grad`` and dispatch keys; where
+    it fails, the Python comparison decides.
     """
+    slow = python_guard(tensors)
     try:
         from torch._C._dynamo.guards import TensorGuards
         guards = TensorGuards(*tensors, dynamic_dims_sizes=[], dynamic_dims_strides=[])
         if guards.check(*tensors):
-            return lambda now: guards.check(*now)
+            # It also fails under another thread-local mode (autocast,
+            # inference_mode) than it was made in: ask the slow check then.
+            return lambda now: guards.check(*now) or slow(now)
     except Exception:  # noqa: BLE001 - a private API: any failure means "use the fallback"
         pass
-    return python_guard(tensors)
+    return slow
 
 
 def python_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
@@ -121,50 +124,83 @@ def python_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], 
     return lambda now: _meta(now) == then
 
 
+# Below this, a tensor's copy is mostly call overhead: such tensors are
+# gathered by one torch.cat per run, through aliases the plan keeps. Larger
+# ones are copied one by one from the live tensor (so the plan never keeps a
+# large storage alive after the model lets go of it).
+SMALL = 1 << 20
+
+
 @dataclass
 class Plan:
     """What submit() needs of a model, valid while its tensors stay the same.
 
-    ``flats`` holds, per slot group, flat aliases of the group's sources
-    (``t.detach().view(-1)``) for one ``torch.cat`` into the slot, or None
-    for a group with a non-contiguous or non-CPU source. An alias shares its
-    source's storage, so it stays right as long as the source keeps its
-    storage pointer, shape, strides, dtype and device: exactly what
-    :meth:`matches` checks.
+    ``steps`` holds, per slot group, how to fill it: runs of small
+    contiguous sources as (flat aliases ``t.detach().view(-1)``, first and
+    last element of the group's memory), each one ``torch.cat``, and other
+    sources as their index, each one ``copy_`` from the live tensor. An
+    alias is right as long as it still reads its source's memory, with the
+    source's shape, strides and dtype: exactly what :meth:`matches` checks.
     """
 
     walked: list[torch.Tensor | None]  # walk(model) when planned
     sources: list[torch.Tensor]        # params, then persistent buffers: the copy's sources
     pool: Pool
     guard: Callable[[list[torch.Tensor]], bool]
-    ptrs: list[int]
-    flats: list[list[torch.Tensor] | None]
+    aliased: list[torch.Tensor]        # the sources that have an alias, and
+    aliases: list[torch.Tensor]        # their aliases, in the same order
+    steps: list[list[staging.Step]]
 
     @classmethod
     def make(cls, walked: list[torch.Tensor | None], sources: list[torch.Tensor],
              pool: Pool) -> "Plan":
-        flats: list[list[torch.Tensor] | None] = []
+        aliased: list[torch.Tensor] = []
+        aliases: list[torch.Tensor] = []
+        steps: list[list[staging.Step]] = []
         for group in pool[0].layout.groups:
-            group_src = [sources[i] for i in group.indices]
-            ok = all(t.is_cpu and t.is_contiguous() for t in group_src)
-            flats.append([t.detach().view(-1) for t in group_src] if ok else None)
-        return cls(walked, sources, pool, tensor_guard(sources),
-                   list(map(torch.Tensor.data_ptr, sources)), flats)
+            group_steps: list[staging.Step] = []
+            run: list[torch.Tensor] = []
+            start = end = 0
+            for i in group.indices:
+                t = sources[i]
+                n = t.numel()
+                if t.is_cpu and t.is_contiguous() and n * t.element_size() < SMALL:
+                    alias = t.detach().view(-1)
+                    aliased.append(t)
+                    aliases.append(alias)
+                    run.append(alias)
+                else:
+                    if run:
+                        group_steps.append((run, start, end))
+                    group_steps.append(i)
+                    run, start = [], end + n
+                end += n
+            if run:
+                group_steps.append((run, start, end))
+            steps.append(group_steps)
+        return cls(walked, sources, pool, tensor_guard(sources), aliased, aliases, steps)
 
     def matches(self, walked: list[torch.Tensor | None]) -> bool:
-        """Same tensor objects, storage pointers, shapes, strides, dtypes and
-        devices: a replaced, added, resized, cast or moved parameter or buffer,
-        or one given other memory (``p.data = ...``), fails it. Each
-        comparison is one C-level pass, not a Python loop."""
-        src = self.sources
+        """Same tensor objects with the same shapes, strides, dtypes and
+        devices, and each alias still at its source's address: a replaced,
+        added, resized, cast or moved parameter or buffer, or one given other
+        memory (``p.data = ...``, a storage freed and reallocated), fails it.
+        Each comparison is one C-level pass, not a Python loop."""
+        ptr = torch.Tensor.data_ptr
         return (len(walked) == len(self.walked) and all(map(operator.is_, walked, self.walked))
-                and list(map(torch.Tensor.data_ptr, src)) == self.ptrs and self.guard(src))
+                and self.guard(self.sources)
+                and list(map(ptr, self.aliased)) == list(map(ptr, self.aliases)))
 
 
 def check_sources(pairs: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse what cannot be staged (EncodeError), before any pool is looked up."""
+    """Refuse what cannot be staged, or written as one file (EncodeError:
+    a name twice), before any pool is looked up."""
+    seen: set[str] = set()
     for name, t in pairs:
         fdl.check_encodable(name, t)
+        if name in seen:
+            raise EncodeError(f"entry {name!r} appears twice; names in one file must be unique")
+        seen.add(name)
 
 
 class SlotPools:

@@ -4,7 +4,7 @@ A slot is ONE flat uint8 tensor in shared memory (one file descriptor, not
 one per tensor); every model tensor is a view into it at an offset fixed by
 the :class:`Layout`. Tensors of one dtype and one copy phase (see
 :data:`EARLY`) are packed back to back in a *group* that starts 64-byte
-aligned, so one ``torch.cat`` can fill a whole group: for thousands of small
+aligned, so one ``torch.cat`` can fill a run of them: for thousands of small
 tensors that is several times faster than a copy per tensor. The file order
 of the entries is independent of where they sit in the slot. Slots are
 allocated once per layout and reused, so memory stays at ``slots x snapshot
@@ -23,7 +23,7 @@ import os
 import threading
 from dataclasses import dataclass, replace
 from multiprocessing import reduction
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import torch
 
@@ -31,7 +31,7 @@ from . import fdl
 
 __all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
            "TensorSpec", "Group", "Layout", "allocate", "claim_word", "views", "group_views",
-           "copy_groups", "copy_into", "unpin", "ClaimLock"]
+           "Step", "copy_groups", "copy_into", "unpin", "ClaimLock"]
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
@@ -221,20 +221,24 @@ def group_views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[g.offset:g.offset + g.nbytes].view(g.dtype) for g in layout.groups]
 
 
-@torch.no_grad()
-def copy_groups(outs: Sequence[torch.Tensor], flats: Sequence[Sequence[torch.Tensor] | None],
-                layout: Layout, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """Copy ``src`` into the slot: one ``torch.cat`` per group.
+# How a plan fills part of a group: (flat aliases of a run of sources, first
+# and last element of the group's memory they fill) for one torch.cat, or the
+# index of one source to copy as it is.
+Step = Union[tuple[list[torch.Tensor], int, int], int]
 
-    ``flats[g]`` are group ``g``'s sources as flat aliases (``t.view(-1)``),
-    or None where one is not contiguous: that group is copied tensor by
-    tensor into its views ``dst``.
-    """
-    for group, out, flat in zip(layout.groups, outs, flats):
-        if flat is not None:
-            torch.cat(flat, out=out)
-        else:
-            copy_into([dst[i] for i in group.indices], [src[i] for i in group.indices])
+
+@torch.no_grad()
+def copy_groups(outs: Sequence[torch.Tensor], steps: Sequence[Sequence[Step]],
+                dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into the slot, group by group: ``steps[g]`` fill group
+    ``g`` (its memory ``outs[g]``; single sources go to their views ``dst``)."""
+    for out, group_steps in zip(outs, steps):
+        for step in group_steps:
+            if isinstance(step, int):
+                dst[step].copy_(src[step])
+            else:
+                run, start, end = step
+                torch.cat(run, out=out[start:end])
 
 
 @torch.no_grad()  # grad mode is per thread: the overlap copier thread needs it too

@@ -72,7 +72,7 @@ class _Sidecar:
         self.lock = lock
         self.keep_last: int | None = options.get("keep_last")
         self.compress_level: int | None = options.get("compress_level")
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, _Slot | str] = {}  # a str: why that slot cannot be written
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         self.parent = os.getppid()
         self.reports_lost = False
@@ -128,9 +128,10 @@ class _Sidecar:
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         slot = self.slots.get(msg["slot"])
-        if slot is None:  # a trainer bug, reported rather than fatal to every later write
+        if not isinstance(slot, _Slot):  # a trainer bug, reported rather than fatal to every later write
+            why = slot or "was never registered with this writer"
             return {**base, "ok": False, "errno": None, "filename": path,
-                    "error": f"slot {msg['slot']} was never registered with this writer"}
+                    "error": f"slot {msg['slot']} {why}"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
         body = protocol.unpack_value(msg["body"])  # packed and checked at submit
@@ -164,10 +165,17 @@ class _Sidecar:
         if op == protocol.WRITE:
             trash: list[str] = []
             self.report(protocol.DONE, **self.write(msg, trash))
-            unlink_quietly(trash)  # freeing old data is not on the durable clock
+            try:
+                unlink_quietly(trash)  # freeing old data is not on the durable clock
+            except OSError as e:  # a leftover temp name; the next start removes it
+                log.warning("could not remove an old checkpoint's data: %s", e)
         elif op == protocol.SLOT:
             flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
-            self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)
+            try:
+                self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)
+            except Exception as e:  # a trainer bug: fail this slot's writes, keep serving
+                log.exception("slot %s cannot be written", msg["slot"])
+                self.slots[msg["slot"]] = f"its layout cannot be written: {type(e).__name__}: {e}"
             self.report(protocol.SLOT_OK, slot=msg["slot"])
         elif op == protocol.FREE:
             for sid in msg["slots"]:

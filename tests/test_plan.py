@@ -11,6 +11,7 @@ grouped layout and the sidecar's encoder must write the very bytes
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -53,6 +54,16 @@ def _swap(p: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, nn.Parameter(torch.full((7,), 4.0)))
 
 
+def _storage_freed_and_reused(p: torch.Tensor) -> None:
+    p.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    p.data = torch.full(p.shape, 6.0)  # may well land at the freed address
+
+
+def _moved_to_shared_memory_then_replaced(p: torch.Tensor) -> None:
+    p.share_memory_()  # same object, its memory moved: the plan still holds
+    p.data = torch.full(p.shape, 8.0)  # may land where p was before the move
+
+
 def _frozen(p: torch.Tensor) -> None:
     p.requires_grad_(False)
 
@@ -63,7 +74,8 @@ def _in_place(p: torch.Tensor) -> None:
 
 
 MUTATIONS = [_same_shape_other_memory, _new_shape, _cast, _transpose_same_memory,
-             _view_same_memory, _strided, _swap, _frozen, _in_place]
+             _view_same_memory, _strided, _swap, _storage_freed_and_reused,
+             _moved_to_shared_memory_then_replaced, _frozen, _in_place]
 
 
 @pytest.mark.parametrize("guard", GUARDS)
@@ -108,6 +120,41 @@ def test_every_change_reaches_the_file(tmp_path, guard, monkeypatch):
             for k in want:
                 assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), \
                     (mutate.__name__, k)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_guard_made_outside_a_mode_still_holds_inside_it(guard, monkeypatch):
+    """torch's C++ check fails under another thread-local mode (inference_mode):
+    the Python comparison then decides, so the plan is not remade each submit."""
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model = nn.Linear(3, 4)
+    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    plan = pools.Plan.make(pools.walk(model), [model.weight, model.bias],
+                           pools.Pool([pools.Slot(1, layout, False)]))
+    with torch.inference_mode():
+        assert plan.matches(pools.walk(model))
+
+
+def test_large_tensors_are_copied_live_not_kept_by_the_plan():
+    """A plan keeps aliases of small tensors only: after model.half() the old
+    float32 storage of a large weight is not held by it."""
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(4, 2))  # 2 MiB weight, small rest
+    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    sources = [p for _, p in model.named_parameters()]
+    plan = pools.Plan.make(pools.walk(model), sources,
+                           pools.Pool([pools.Slot(1, layout, False)]))
+    assert all(a.numel() * a.element_size() < pools.SMALL for a in plan.aliases)
+    assert not any(a.data_ptr() == model[0].weight.data_ptr() for a in plan.aliases)
+    assert len(plan.aliases) == 3
+
+
+def test_a_duplicate_name_is_refused_at_submit_and_the_sidecar_lives(tmp_path):
+    snap = snapsvc.ModelSnapshot(params={"a": torch.ones(2)}, buffers={"a": torch.zeros(2)})
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        with pytest.raises(snapsvc.EncodeError, match="'a' appears twice"):
+            w.submit(snap, "dup.fdl")
+        assert not w.submit(nn.Linear(2, 2), "ok.fdl").result(timeout=60).skipped
+    assert not (tmp_path / "dup.fdl").exists()
 
 
 def _mixed_model() -> nn.Module:
@@ -227,3 +274,35 @@ def test_without_torchs_tensor_check_the_python_one_is_used(monkeypatch):
     assert check([t])
     t.data = torch.zeros(3, dtype=torch.float64)
     assert not check([t])
+
+
+def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_path):
+    """Defence in depth behind submit's checks: a layout whose encoder cannot
+    be built (a name twice) fails the writes to that slot; the loop goes on."""
+    import multiprocessing.connection as mpc
+
+    from snapsvc import protocol, writer
+
+    req_r, req_w = mpc.Pipe(duplex=False)
+    rep_r, rep_w = mpc.Pipe(duplex=False)
+    lock = staging.ClaimLock.create()
+    try:
+        side = writer._Sidecar(req_r, rep_w, lock, {})
+        a = torch.ones(2)
+        layout = staging.Layout.of([("a", a)], [("a", a)], "")
+        flat = staging.allocate(layout)
+        req_w.send(flat)  # what follows a SLOT message on the pipe
+        assert side.handle({"op": protocol.SLOT, "slot": 1, "layout": layout.to_msg()})
+        assert protocol.unpack(rep_r.recv_bytes())["op"] == protocol.SLOT_OK
+        staging.claim_word(flat).fill_(5)
+        body = protocol.pack_value({"epoch": 0, "metrics": {}})
+        assert side.handle({"op": protocol.WRITE, "seq": 5, "slot": 1, "sent_at": 0.0,
+                            "path": str(tmp_path / "x.fdl"), "body": body})
+        done = protocol.unpack(rep_r.recv_bytes())
+        assert done["op"] == protocol.DONE and not done["ok"]
+        assert "cannot be written" in done["error"] and "appears twice" in done["error"]
+        assert os.listdir(tmp_path) == []
+    finally:
+        lock.close()
+        for c in (req_r, req_w, rep_r, rep_w):
+            c.close()

@@ -8,6 +8,8 @@ sidecar; each test damages its own copies.
 
 from __future__ import annotations
 
+import gc
+import os
 import shutil
 import struct
 import zlib
@@ -274,3 +276,28 @@ def test_restore_to_cuda_through_pinned_memory(saved, tmp_path, monkeypatch):
     assert all(t.is_cuda and torch.equal(t.cpu(), want[k]) for k, t in model.state_dict().items())
     flip_data_byte(path, want["0.weight"])
     restore_fails(path, path, "CRC-32", device="cuda")
+
+
+def test_only_a_file_in_the_page_cache_is_mapped(tmp_path):
+    """A page that must come from the disk would report a read error as SIGBUS:
+    a file not wholly in the page cache is read, not mapped."""
+    from snapsvc import checkpoint
+
+    path = tmp_path / "m.fdl"
+    snapsvc.save_checkpoint(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})
+    data = path.read_bytes()
+    size, crc = len(data), zlib.crc32(data)
+    got = checkpoint._read_mapped(str(path), size, crc, "metadata")
+    assert got is not None and torch.equal(got.entries["w"], torch.arange(1 << 20, dtype=torch.float32))
+    del got  # its tensors map the pages: mapped pages cannot be dropped
+    gc.collect()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the cache
+    finally:
+        os.close(fd)
+    if checkpoint._read_mapped(str(path), size, crc, "metadata") is not None:
+        pytest.skip("this file system keeps the pages cached despite DONTNEED")
+    read = checkpoint.read_verified(path, size, crc, shared_buffer=True)
+    assert torch.equal(read.entries["w"], torch.arange(1 << 20, dtype=torch.float32))
