@@ -57,13 +57,13 @@ import torch
 import torch.multiprocessing as tmp
 from torch import nn
 
-from . import protocol, staging
+from . import fdl, protocol, staging
 from .checkpoint import layout_hash, persistent_buffers
 from .copier import Copier
 from .durable import check_final_name, remove_stale_temps
 from .errors import BrokenWriterError, EncodeError, PathError, WriteFailedError
 from .meta import meta_path
-from .pools import RESERVED, Plan, Pool, Slot, SlotPools, check_sources, walk
+from .pools import RESERVED, Plan, Pool, Slot, SlotPools, walk
 from .resume import optimizer_state
 from .sidecar import Sidecar, describe
 from .snapshot import ModelSnapshot, as_metrics
@@ -152,8 +152,10 @@ def _what(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch
           state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
           structural_hash: str | None = None) -> _What:
     model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
-    check_sources(model_pairs)  # whatever pool a same-shaped snapshot made before
-    check_sources(list(optim))  # a file of its own
+    # Refused whatever pool a same-shaped snapshot made before; the optimizer
+    # state is a file of its own. The sidecar's encoder runs the same check.
+    fdl.check_entries(model_pairs)
+    fdl.check_entries(list(optim))
     pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
     key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),

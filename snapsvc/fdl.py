@@ -59,6 +59,7 @@ __all__ = [
     "encode",
     "encoded_size",
     "check_encodable",
+    "check_entries",
     "Decoder",
 ]
 
@@ -179,6 +180,19 @@ def check_encodable(name: object, tensor: object) -> bytes:
     return raw
 
 
+def check_entries(pairs: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+    """The UTF-8 names of ``pairs``, or :class:`EncodeError`: an entry that
+    cannot be written, or a name twice (names in one file must be unique)."""
+    raw_names = []
+    seen: set[str] = set()
+    for name, t in pairs:
+        raw_names.append(check_encodable(name, t))
+        if name in seen:
+            raise EncodeError(f"entry {name!r} appears twice; names in one file must be unique")
+        seen.add(name)
+    return raw_names
+
+
 def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Bytes the uncompressed stream for ``entries`` will take."""
     total = _HEADER.size
@@ -213,13 +227,7 @@ class Encoder:
     def __init__(self, entries: Iterable[tuple[str, torch.Tensor]], *,
                  structural_hash: bytes | None = None) -> None:
         pairs = list(entries)
-        raw_names = []
-        seen: set[str] = set()
-        for name, t in pairs:
-            raw_names.append(check_encodable(name, t))
-            if name in seen:
-                raise EncodeError(f"entry {name!r} appears twice; names must be unique")
-            seen.add(name)
+        raw_names = check_entries(pairs)
         if structural_hash is None:
             structural_hash = bytes(HASH_LEN)
         if len(structural_hash) != HASH_LEN:

@@ -23,10 +23,10 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from . import fdl, staging
-from .errors import EncodeError, SlotBudgetError
+from . import staging
+from .errors import SlotBudgetError
 
-__all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "check_sources", "tensor_guard",
+__all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
            "python_guard", "RESERVED"]
 
 RESERVED = 0  # Slot.seq while a submit is staging into it
@@ -190,17 +190,6 @@ class Plan:
         return (len(walked) == len(self.walked) and all(map(operator.is_, walked, self.walked))
                 and self.guard(self.sources)
                 and list(map(ptr, self.aliased)) == list(map(ptr, self.aliases)))
-
-
-def check_sources(pairs: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse what cannot be staged, or written as one file (EncodeError:
-    a name twice), before any pool is looked up."""
-    seen: set[str] = set()
-    for name, t in pairs:
-        fdl.check_encodable(name, t)
-        if name in seen:
-            raise EncodeError(f"entry {name!r} appears twice; names in one file must be unique")
-        seen.add(name)
 
 
 class SlotPools:
