@@ -29,7 +29,7 @@ MiB, plus a few small bias/BatchNorm tensors), measured side by side:
   cuda`` restores into a model on the GPU (through pinned memory; torch's
   load_state_dict copies from pageable memory); raw reads stay host reads.
 * gzip levels, in memory: isal levels 0-3 (isal.igzip.compress, the deflate
-  engine behind snapsvc.streams.gzip_writer) and Python's zlib at level 6,
+  engine behind snapsvc.format.streams.gzip_writer) and Python's zlib at level 6,
   both producing gzip, on the float32 data of the tensors above and on an
   int64 small-integer buffer and a zero-filled buffer of the same size.
 
@@ -68,8 +68,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 import snapsvc  # noqa: E402
-from snapsvc.fdl import _byte_view  # noqa: E402
-from snapsvc.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
+from snapsvc.format.fdl import _byte_view  # noqa: E402
+from snapsvc.format.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
 
 T = TypeVar("T")
 Tensors = dict[str, torch.Tensor]

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from snapsvc.durable import fsync_dir
+from snapsvc.files.durable import fsync_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402

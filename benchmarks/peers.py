@@ -57,7 +57,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from snapsvc.durable import fsync_dir
+from snapsvc.files.durable import fsync_dir
 
 __all__ = ["Method", "TorchSaveSync", "ThreadAsync", "DcpProcessAsync", "TorchSnapshotAsync",
            "TORCHSNAPSHOT_PIN", "peer_methods"]

@@ -80,11 +80,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 import snapsvc  # noqa: E402
-from snapsvc import staging  # noqa: E402
-from snapsvc.checkpoint import write_checkpoint_file  # noqa: E402
-from snapsvc.fdl import _byte_view  # noqa: E402
-from snapsvc.snapshot import model_sources  # noqa: E402
-from snapsvc.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
+from snapsvc.engine import staging  # noqa: E402
+from snapsvc.format.layout import Layout  # noqa: E402
+from snapsvc.files.checkpoint import write_checkpoint_file  # noqa: E402
+from snapsvc.format.fdl import _byte_view  # noqa: E402
+from snapsvc.engine.snapshot import model_sources  # noqa: E402
+from snapsvc.format.streams import DEFAULT_GZIP_LEVEL  # noqa: E402
 
 METHODS = ["torch.save", "thread-async", "dcp-process", "torchsnapshot", "snapsvc-block",
            "snapsvc-overlap", "snapsvc-incremental"]
@@ -280,7 +281,7 @@ def raw_copy_fn(model: nn.Module) -> tuple[Callable[[], None], torch.Tensor | No
             torch._foreach_copy_(dst, src, non_blocking=True)
             torch.cuda.synchronize()
         return copy, None
-    layout = staging.Layout.of(params, buffers, "")
+    layout = Layout.of(params, buffers, "")
     flat = staging.allocate(layout)
     views = staging.views(flat, layout)
     return (lambda: torch._foreach_copy_(views, src)), flat
@@ -442,7 +443,7 @@ def writer_worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # as in the sidecar
     model = build_model(args.model, "cpu", getattr(torch, args.dtype))
     params, buffers = model_sources(model)
-    layout = staging.Layout.of(params, buffers, "")
+    layout = Layout.of(params, buffers, "")
     flat = staging.allocate(layout)
     views = staging.views(flat, layout)
     torch._foreach_copy_(views, [t for _, t in params + buffers])

@@ -14,7 +14,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from .checkpoint import (
+from .files.checkpoint import (
     Checkpoint,
     LoadReport,
     MigrateReport,
@@ -26,7 +26,7 @@ from .checkpoint import (
     save_checkpoint,
     structural_hash,
 )
-from .convert import (
+from .files.convert import (
     EntryInfo,
     FileInfo,
     TensorFile,
@@ -35,7 +35,7 @@ from .convert import (
     read_safetensors,
     write_safetensors,
 )
-from .client import SnapshotWriter, WriteHandle, WriteReport
+from .engine.writer import SnapshotWriter, WriteHandle, WriteReport
 from .distributed import (
     DistributedSnapshotWriter,
     DistributedWriteHandle,
@@ -59,10 +59,10 @@ from .errors import (
     WorldSizeMismatchError,
     WriteFailedError,
 )
-from .resume import checkpoint_files, restore
-from .state import load
-from .snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
-from .verify import VerifyReport, verify
+from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
+from .files.verify import VerifyReport, verify
+from .state.resume import checkpoint_files, restore
+from .state.tree import load
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc import fdl
-from snapsvc.durable import TMP_SUFFIX
+from snapsvc.format import fdl
+from snapsvc.files.durable import TMP_SUFFIX
 from conftest import Net
 
 

@@ -27,8 +27,9 @@ from torch import nn
 
 import snapsvc
 from snapsvc import EncodeError, FormatError, cli
-from snapsvc import convert as conv
-from snapsvc.checkpoint import model_tensors
+from snapsvc.files import convert as conv
+from snapsvc.files.checkpoint import model_tensors
+from snapsvc.cli import files as cli_files
 from snapsvc.cli import main
 
 TESTS = Path(__file__).parent
@@ -219,7 +220,7 @@ def test_inspect_json(capsys, small, ckpt_path, with_meta):
         == expected_rows(small)
     assert doc["tensor_bytes"] == sum(e["bytes"] for e in doc["entries"])
     if with_meta:
-        meta = snapsvc.meta.read_meta(ckpt_path)
+        meta = snapsvc.files.meta.read_meta(ckpt_path)
         m = doc["meta"]
         assert m["epoch"] == 4 and m["metrics"] == {"loss": 0.5, "acc": 0.75}
         assert m["buffers"] == 3 and m["size"] == ckpt_path.stat().st_size
@@ -270,7 +271,7 @@ def test_inspect_text(capsys, small, ckpt_path, with_meta):
         assert row.rstrip().endswith(str(nbytes))
     if with_meta:
         assert "epoch:    4" in out and "loss=0.5" in out and "buffers:  3" in out
-        crc = snapsvc.meta.read_meta(ckpt_path).crc32
+        crc = snapsvc.files.meta.read_meta(ckpt_path).crc32
         assert f"crc32:    {crc:08x}" in out
         created = next(ln for ln in table if "created:" in ln).split("created:")[1].strip()
         dt.datetime.fromisoformat(created)
@@ -285,7 +286,7 @@ def test_inspect_reads_no_tensor_data(capsys, small, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("inspect loaded tensor data")
 
-    monkeypatch.setattr(snapsvc.fdl.Decoder, "_read_data", refuse)
+    monkeypatch.setattr(snapsvc.format.fdl.Decoder, "_read_data", refuse)
     assert run(capsys, "inspect", path)[0] == 0
 
 
@@ -858,7 +859,7 @@ def test_unexpected_exception_is_one_line(capsys, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("first line\nsecond line")
 
-    monkeypatch.setattr(cli, "describe_file", boom)
+    monkeypatch.setattr(cli_files, "describe_file", boom)
     code, _, err = run(capsys, "inspect", tmp_path / "x.fdl")
     assert code == 1
     assert_one_line_error(err, "RuntimeError: first line", "--debug")

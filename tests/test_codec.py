@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import snapsvc
-from snapsvc import fdl
+from snapsvc.format import fdl
 from snapsvc.errors import EncodeError
 
 # Written by hand from shared/FORMAT.md, not produced by the encoder.

@@ -22,7 +22,7 @@ from torch import nn
 import snapsvc
 from dist_world import run_world
 from snapsvc.distributed import MANIFEST_NAME
-from snapsvc.durable import TMP_SUFFIX
+from snapsvc.files.durable import TMP_SUFFIX
 
 pytestmark = [pytest.mark.timeout(150)]
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc.durable import TMP_SUFFIX
-from snapsvc.meta import meta_path
+from snapsvc.files.durable import TMP_SUFFIX
+from snapsvc.files.meta import meta_path
 import hooks
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]

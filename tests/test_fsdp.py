@@ -33,7 +33,7 @@ from torch import nn
 import snapsvc
 from dist_world import run_world, write_result
 from snapsvc.distributed import MANIFEST_NAME, SHARDS_KEY
-from snapsvc.meta import read_meta
+from snapsvc.files.meta import read_meta
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
 pytestmark = [pytest.mark.timeout(150)]
@@ -368,7 +368,7 @@ def test_damaged_manifest_or_file_is_refused_before_loading(world2, tmp_path):
 
 def _consolidate_plain(tmp_path) -> None:
     """consolidate() of a checkpoint of plain tensors (a manifest without ``sharded``)."""
-    from snapsvc.distributed import Manifest, RankFile, _write_manifest
+    from snapsvc.distributed.manifest import Manifest, RankFile, _write_manifest
     step = tmp_path / "plain" / "step_1"
     step.mkdir(parents=True)
     snapsvc.save_checkpoint(step / "rank0.fdl", make_plain(0))

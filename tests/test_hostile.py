@@ -38,7 +38,7 @@ from snapsvc import (
     read_checkpoint,
     save_checkpoint,
 )
-from snapsvc.checkpoint import read_verified
+from snapsvc.files.checkpoint import read_verified
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc.checkpoint import model_tensors
+from snapsvc.files.checkpoint import model_tensors
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc.checkpoint import model_tensors
+from snapsvc.files.checkpoint import model_tensors
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leaks")]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -20,10 +20,10 @@ from torch import nn
 
 import snapsvc
 from snapsvc import PathError, SnapsvcError
-from snapsvc.durable import (TMP_SUFFIX, check_final_name, discard, remove_stale_temps,
+from snapsvc.files.durable import (TMP_SUFFIX, check_final_name, discard, remove_stale_temps,
                              staged_write)
-from snapsvc.meta import meta_path
-from snapsvc.resume import optim_path
+from snapsvc.files.meta import meta_path
+from snapsvc.state.resume import optim_path
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(60)
@@ -141,7 +141,7 @@ def test_stale_temp_of_a_long_name_is_removed(tmp_path):
     still identifies the dead writer to remove_stale_temps."""
     name = "e" * 250
     script = ("import os, sys\n"
-              "from snapsvc.durable import staged_write\n"
+              "from snapsvc.files.durable import staged_write\n"
               "cm = staged_write(sys.argv[1]); f = cm.__enter__(); f.write(b'partial'); "
               "f.flush()\n"
               "os._exit(0)  # dies holding the temp file\n")

@@ -18,8 +18,11 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc import fdl, pools, staging
-from snapsvc.checkpoint import layout_hash, persistent_buffers
+from snapsvc.format import fdl
+from snapsvc.engine import pools
+from snapsvc.engine import staging
+from snapsvc.format import layout as layout_mod
+from snapsvc.files.checkpoint import layout_hash, persistent_buffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,7 +88,7 @@ def test_a_changed_tensor_fails_the_plan(guard, mutate, monkeypatch):
     model = nn.Linear(3, 4)
     walked = pools.walk(model)
     sources = [model.weight, model.bias]
-    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
     pool = pools.Pool([pools.Slot(1, layout, False)])
     plan = pools.Plan.make(walked, sources, pool)
     assert plan.matches(pools.walk(model))
@@ -97,7 +100,7 @@ def test_a_changed_tensor_fails_the_plan(guard, mutate, monkeypatch):
 def test_values_changed_in_place_keep_the_plan(guard, monkeypatch):
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model = nn.Linear(3, 4)
-    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
     plan = pools.Plan.make(pools.walk(model), [model.weight, model.bias],
                            pools.Pool([pools.Slot(1, layout, False)]))
     _in_place(model.weight)
@@ -128,7 +131,7 @@ def test_guard_made_outside_a_mode_still_holds_inside_it(guard, monkeypatch):
     the Python comparison then decides, so the plan is not remade each submit."""
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model = nn.Linear(3, 4)
-    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
     plan = pools.Plan.make(pools.walk(model), [model.weight, model.bias],
                            pools.Pool([pools.Slot(1, layout, False)]))
     with torch.inference_mode():
@@ -139,7 +142,7 @@ def test_large_tensors_are_copied_live_not_kept_by_the_plan():
     """A plan keeps aliases of small tensors only: after model.half() the old
     float32 storage of a large weight is not held by it."""
     model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(4, 2))  # 2 MiB weight, small rest
-    layout = staging.Layout.of(list(model.named_parameters()), [], "")
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
     sources = [p for _, p in model.named_parameters()]
     plan = pools.Plan.make(pools.walk(model), sources,
                            pools.Pool([pools.Slot(1, layout, False)]))
@@ -175,12 +178,12 @@ def _mixed_model() -> nn.Module:
 def test_groups_pack_each_dtype_and_phase(dtype):
     params = [("w", torch.zeros(3, dtype=dtype)), ("x", torch.zeros(5, dtype=torch.float32))]
     buffers = [("b", torch.zeros(2, dtype=dtype)), ("c", torch.zeros((), dtype=dtype))]
-    layout = staging.Layout.of(params, buffers, "")
+    layout = layout_mod.Layout.of(params, buffers, "")
     for g in layout.groups:
         specs = [layout.specs[i] for i in g.indices]
-        assert g.offset % staging.ALIGN == 0
+        assert g.offset % layout_mod.ALIGN == 0
         assert {s.dtype for s in specs} == {g.dtype}
-        assert len({s.kind in staging.EARLY for s in specs}) == 1
+        assert len({s.kind in layout_mod.EARLY for s in specs}) == 1
         at = g.offset
         for s in specs:  # back to back, in file order
             assert s.offset == at
@@ -188,7 +191,7 @@ def test_groups_pack_each_dtype_and_phase(dtype):
         assert at - g.offset == g.nbytes
     covered = sorted(i for g in layout.groups for i in g.indices)
     assert covered == list(range(len(layout.specs)))
-    assert layout.groups == staging.Layout.from_msg(layout.to_msg()).groups
+    assert layout.groups == layout_mod.Layout.from_msg(layout.to_msg()).groups
 
 
 def test_grouped_slot_writes_the_bytes_encode_writes(tmp_path):
@@ -281,15 +284,16 @@ def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_pa
     be built (a name twice) fails the writes to that slot; the loop goes on."""
     import multiprocessing.connection as mpc
 
-    from snapsvc import protocol, writer
+    from snapsvc.format import protocol
 
+    from snapsvc.engine import worker as writer
     req_r, req_w = mpc.Pipe(duplex=False)
     rep_r, rep_w = mpc.Pipe(duplex=False)
     lock = staging.ClaimLock.create()
     try:
         side = writer._Sidecar(req_r, rep_w, lock, {})
         a = torch.ones(2)
-        layout = staging.Layout.of([("a", a)], [("a", a)], "")
+        layout = layout_mod.Layout.of([("a", a)], [("a", a)], "")
         flat = staging.allocate(layout)
         req_w.send(flat)  # what follows a SLOT message on the pipe
         assert side.handle({"op": protocol.SLOT, "slot": 1, "layout": layout.to_msg()})

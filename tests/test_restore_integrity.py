@@ -110,7 +110,7 @@ def reads(request, monkeypatch):
     """Plain files are checked through a mapping of the file, or, where it
     cannot be mapped, read into a buffer: both must refuse the same damage."""
     if request.param == "read":
-        from snapsvc import checkpoint
+        from snapsvc.files import checkpoint
         monkeypatch.setattr(checkpoint, "_read_mapped", lambda *a, **k: None)
     return request.param
 
@@ -231,8 +231,8 @@ def test_load_snapshot_new_file_beside_old_metadata(saved, tmp_path):
 @pytest.mark.parametrize("suffix", ["fdl", "fdl.gz"])
 @pytest.mark.parametrize("shared_buffer", [False, True])
 def test_read_verified_matches_read_checkpoint(saved, suffix, shared_buffer, reads):
-    from snapsvc.checkpoint import read_verified
-    from snapsvc.meta import read_meta
+    from snapsvc.files.checkpoint import read_verified
+    from snapsvc.files.meta import read_meta
 
     path = saved.dir / f"ck.{suffix}"
     meta = read_meta(path)
@@ -244,7 +244,7 @@ def test_read_verified_matches_read_checkpoint(saved, suffix, shared_buffer, rea
 
 
 def test_read_verified_names_the_record(tmp_path):
-    from snapsvc.checkpoint import read_verified
+    from snapsvc.files.checkpoint import read_verified
 
     path = tmp_path / "m.fdl"
     snapsvc.save_checkpoint(path, {"w": torch.arange(6.0)})
@@ -258,8 +258,7 @@ def test_read_verified_names_the_record(tmp_path):
 # -- CUDA: through pinned memory ---------------------------------------------------------
 @pytest.mark.gpu
 def test_restore_to_cuda_through_pinned_memory(saved, tmp_path, monkeypatch):
-    from snapsvc import checkpoint
-
+    from snapsvc.files import checkpoint
     pinned = []
     real = checkpoint._file_buffer
 
@@ -281,8 +280,7 @@ def test_restore_to_cuda_through_pinned_memory(saved, tmp_path, monkeypatch):
 def test_only_a_file_in_the_page_cache_is_mapped(tmp_path):
     """A page that must come from the disk would report a read error as SIGBUS:
     a file not wholly in the page cache is read, not mapped."""
-    from snapsvc import checkpoint
-
+    from snapsvc.files import checkpoint
     path = tmp_path / "m.fdl"
     snapsvc.save_checkpoint(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})
     data = path.read_bytes()

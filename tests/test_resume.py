@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc.resume import optim_path
+from snapsvc.state.resume import optim_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import snapsvc
-import snapsvc.checkpoint
-import snapsvc.snapshot
-import snapsvc.staging
-from snapsvc.meta import meta_path, read_meta
+import snapsvc.files.checkpoint
+import snapsvc.engine.snapshot
+import snapsvc.engine.staging
+from snapsvc.files.meta import meta_path, read_meta
 from conftest import Net
 import hooks
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
 
 def model_state(m: nn.Module) -> dict[str, torch.Tensor]:
     """Clones in file order: parameters, then persistent buffers."""
-    return {k: v.detach().clone() for k, v in snapsvc.checkpoint.model_tensors(m)}
+    return {k: v.detach().clone() for k, v in snapsvc.files.checkpoint.model_tensors(m)}
 
 
 def file_state(path) -> dict[str, torch.Tensor]:
@@ -152,7 +152,7 @@ def test_slot_reuse_allocates_nothing_after_warmup(tmp_path, net):
             h.result(timeout=60)
         after = footprint(w)
     assert after == before
-    layout = snapsvc.staging.Layout.of(*snapsvc.snapshot.model_sources(net), "")
+    layout = snapsvc.format.layout.Layout.of(*snapsvc.engine.snapshot.model_sources(net), "")
     assert before[3] == 2 * layout.nbytes  # two slots, nothing per snapshot
 
 

@@ -159,7 +159,7 @@ def test_model_keeps_its_own_names_so_flodl_loads_it(tmp_path):
         w.submit({"opt": objs[2], "model": gen, "rng": torch.get_rng_state()},
                  "s.fdl").result(timeout=60)
     names = snapsvc.checkpoint_keys(tmp_path / "s.fdl")
-    model_names = [n for n, _ in snapsvc.checkpoint.model_tensors(gen)]
+    model_names = [n for n, _ in snapsvc.files.checkpoint.model_tensors(gen)]
     assert names[:len(model_names)] == model_names  # first, in flodl's order
     assert all(n.startswith("opt/") for n in names[len(model_names):])
     ckpt = snapsvc.read_checkpoint(tmp_path / "s.fdl")

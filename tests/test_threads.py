@@ -217,7 +217,7 @@ def test_a_sidecar_that_exits_cleanly_on_its_own_is_restarted_not_waited_on(tmp_
     with snapsvc.SnapshotWriter(tmp_path) as w:
         w.submit(model, "a.fdl").result(timeout=60)
         first = w.pid
-        w._sidecar.send(snapsvc.protocol.pack(snapsvc.protocol.STOP))  # exits 0, unasked
+        w._sidecar.send(snapsvc.format.protocol.pack(snapsvc.format.protocol.STOP))  # exits 0, unasked
         assert w._sidecar.wait_exit(30)
         assert w.submit(model, "b.fdl").result(timeout=60).bytes > 0
         assert w.pid != first and w.stats()["restarts"] == 1

@@ -15,9 +15,9 @@ import zlib
 import pytest
 import torch
 
-from snapsvc import durable, fdl
+from snapsvc.files import durable
 
-
+from snapsvc.format import fdl
 class Recorder(io.RawIOBase):
     def __init__(self) -> None:
         self.chunks: list[bytes] = []

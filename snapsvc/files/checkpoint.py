@@ -16,17 +16,17 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterable, Iterator, Mapping, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Union
 
 import torch
 from torch import nn
 
 from isal import isal_zlib
 
-from . import fdl
+from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
+from ..format import fdl
 from .durable import DurableFile, commit, staged_write
-from .errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
-from .streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, gzip_writer,
+from ..format.streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, gzip_writer,
                       is_gzip_path, open_source)
 
 __all__ = [

@@ -27,24 +27,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
-from .errors import FormatError
-from .meta import Meta, meta_path, read_meta
-from .state import restore_state
+from ..errors import FormatError
+from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
+from ..files.meta import Meta, meta_path, optim_path, read_meta
+from .tree import restore_state
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]
 
 _SEP = ":"
-
-
-def optim_path(path: str | os.PathLike[str]) -> str:
-    """``x.fdl`` -> ``x.optim.fdl``; ``x.fdl.gz`` -> ``x.optim.fdl.gz``; else ``x.optim``."""
-    path = os.fspath(path)
-    for suffix in (".fdl.gz", ".fdl"):
-        if path.endswith(suffix):
-            return path[: -len(suffix)] + ".optim" + suffix
-    return path + ".optim"
 
 
 def _plain(value: Any, where: str) -> Any:

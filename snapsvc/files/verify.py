@@ -13,11 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import fdl
-from .errors import FormatError
-from .meta import Meta, read_meta
-from .resume import optim_path
-from .streams import open_source
+from ..errors import FormatError
+from ..format import fdl
+from ..format.streams import open_source
+from .meta import Meta, optim_path, read_meta
 
 __all__ = ["VerifyReport", "verify"]
 

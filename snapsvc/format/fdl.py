@@ -42,7 +42,7 @@ from typing import BinaryIO, Iterable, Iterator
 
 import torch
 
-from .errors import EncodeError, FormatError
+from ..errors import EncodeError, FormatError
 
 __all__ = [
     "MAGIC",

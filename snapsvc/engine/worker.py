@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
-from . import fdl, protocol, staging
-from .durable import set_aside, set_fault_hook, unlink_quietly
-from .meta import Meta, meta_path, write_with_meta
-from .resume import optim_path
+from ..files.durable import set_aside, set_fault_hook, unlink_quietly
+from ..files.meta import Meta, meta_path, optim_path, write_with_meta
+from ..format import fdl, protocol
+from ..format.layout import BUFFER, Layout, OPTIM
+from . import staging
 
 __all__ = ["STARTED", "REVOKED", "writer_main"]
 
@@ -50,7 +51,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 class _Slot:
-    def __init__(self, layout: staging.Layout, flat: torch.Tensor) -> None:
+    def __init__(self, layout: Layout, flat: torch.Tensor) -> None:
         self.layout = layout
         self.flat = flat
         self.claim = staging.claim_word(flat)
@@ -58,10 +59,10 @@ class _Slot:
         # Headers packed and entries checked once, here: a write only moves data.
         hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
         self.encoder = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                    if s.kind != staging.OPTIM], structural_hash=hash_)
+                                    if s.kind != OPTIM], structural_hash=hash_)
         self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                  if s.kind == staging.OPTIM])
-        self.buffers = [s.name for s in layout.specs if s.kind == staging.BUFFER]
+                                  if s.kind == OPTIM])
+        self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
 class _Sidecar:
@@ -172,7 +173,7 @@ class _Sidecar:
         elif op == protocol.SLOT:
             flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
             try:
-                self.slots[msg["slot"]] = _Slot(staging.Layout.from_msg(msg["layout"]), flat)
+                self.slots[msg["slot"]] = _Slot(Layout.from_msg(msg["layout"]), flat)
             except Exception as e:  # a trainer bug: fail this slot's writes, keep serving
                 log.exception("slot %s cannot be written", msg["slot"])
                 self.slots[msg["slot"]] = f"its layout cannot be written: {type(e).__name__}: {e}"

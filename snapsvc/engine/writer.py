@@ -57,18 +57,19 @@ import torch
 import torch.multiprocessing as tmp
 from torch import nn
 
-from . import fdl, protocol, staging
-from .checkpoint import layout_hash, persistent_buffers
+from ..errors import BrokenWriterError, EncodeError, PathError, WriteFailedError
+from ..files.checkpoint import layout_hash, persistent_buffers
+from ..files.durable import check_final_name, remove_stale_temps
+from ..files.meta import meta_path
+from ..format import fdl, protocol
+from ..format.layout import Layout
+from ..state.resume import optimizer_state
+from ..state.tree import check_plain, flatten
 from .copier import Copier
-from .durable import check_final_name, remove_stale_temps
-from .errors import BrokenWriterError, EncodeError, PathError, WriteFailedError
-from .meta import meta_path
 from .pools import RESERVED, Plan, Pool, Slot, SlotPools, walk
-from .resume import optimizer_state
 from .sidecar import Sidecar, describe
 from .snapshot import ModelSnapshot, as_metrics
-from .state import check_plain, flatten
-from .writer import REVOKED
+from .worker import REVOKED
 
 __all__ = ["SnapshotWriter", "WriteHandle", "WriteReport", "POLICIES"]
 
@@ -139,7 +140,7 @@ class _What:
 
     sources: list[torch.Tensor] = field(default_factory=list)
     key: tuple = ()
-    layout: Callable[[], staging.Layout] | None = None
+    layout: Callable[[], Layout] | None = None
     pin: bool = False
     optim: dict[str, Any] | None = None
     tree: Any = None
@@ -162,7 +163,7 @@ def _what(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch
            tuple((n, t.shape, t.dtype) for n, t in pairs))
     h = layout_hash(params, buffers) if structural_hash is None else structural_hash
     return _What([t for _, t in pairs], key,
-                 lambda: staging.Layout.of(params, buffers, h, optim, state), pin)
+                 lambda: Layout.of(params, buffers, h, optim, state), pin)
 
 
 class SnapshotWriter:

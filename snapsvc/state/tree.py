@@ -44,13 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fdl
-from .checkpoint import LoadReport, layout_hash, persistent_buffers, read_verified
-from .errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
+from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers, read_verified
+from ..format import fdl
+from ..errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
     StrictLoadError, UnsupportedStateError
-from .meta import read_meta
-from .protocol import InlineTensor, ObjectNode, TensorRef
-from .staging import STATE, STATE_STEP
+from ..files.meta import read_meta
+from ..format.layout import STATE, STATE_STEP
+from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
 __all__ = ["Flat", "flatten", "check_plain", "load", "restore_state", "INLINE_DTYPES",
            "MAX_DEPTH"]

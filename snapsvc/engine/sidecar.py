@@ -25,9 +25,10 @@ import threading
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from . import protocol, staging
-from .errors import BrokenWriterError
-from .writer import writer_main
+from ..errors import BrokenWriterError
+from ..format import protocol
+from . import staging
+from .worker import writer_main
 
 __all__ = ["Sidecar", "describe"]
 

@@ -14,10 +14,12 @@ from typing import BinaryIO, Mapping
 import torch
 from torch import nn
 
-from . import fdl, staging
-from .checkpoint import layout_hash, persistent_buffers, read_verified
-from .errors import FormatError
-from .meta import Meta, read_meta, write_with_meta
+from ..errors import FormatError
+from ..files.checkpoint import layout_hash, persistent_buffers, read_verified
+from ..files.meta import Meta, read_meta, write_with_meta
+from ..format import fdl
+from ..format.layout import Layout
+from . import staging
 
 __all__ = ["ModelSnapshot", "snapshot_cpu", "load_snapshot", "model_sources", "as_metrics"]
 
@@ -62,7 +64,7 @@ def snapshot_cpu(model: nn.Module, *, metrics: Mapping[str, float] | None = None
                  epoch: int = 0) -> ModelSnapshot:
     """Copy ``model``'s parameters (detached) and persistent buffers into shared CPU memory."""
     params, buffers = model_sources(model)
-    layout = staging.Layout.of(params, buffers, layout_hash(params, buffers))
+    layout = Layout.of(params, buffers, layout_hash(params, buffers))
     views = staging.views(staging.allocate(layout), layout)
     staging.copy_into(views, [t for _, t in params + buffers])
     names = [s.name for s in layout.specs]

@@ -23,7 +23,7 @@ from typing import BinaryIO, Iterator, Union
 
 from isal import igzip, isal_zlib
 
-from .errors import FormatError
+from ..errors import FormatError
 
 __all__ = [
     "GZIP_MAGIC",

@@ -33,7 +33,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 from isal import isal_zlib
 
-from .errors import PathError
+from ..errors import PathError
 
 __all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
            "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name", "set_aside",

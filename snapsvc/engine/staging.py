@@ -2,7 +2,7 @@
 
 A slot is ONE flat uint8 tensor in shared memory (one file descriptor, not
 one per tensor); every model tensor is a view into it at an offset fixed by
-the :class:`Layout`. Tensors of one dtype and one copy phase (see
+the :class:`~snapsvc.format.layout.Layout`. Tensors of one dtype and one copy phase (see
 :data:`EARLY`) are packed back to back in a *group* that starts 64-byte
 aligned, so one ``torch.cat`` can fill a run of them: for thousands of small
 tensors that is several times faster than a copy per tensor. The file order
@@ -18,118 +18,17 @@ both processes are SIGKILLed.
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import threading
-from dataclasses import dataclass, replace
 from multiprocessing import reduction
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
-from . import fdl
+from ..format.layout import Layout
 
-__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
-           "TensorSpec", "Group", "Layout", "allocate", "claim_word", "views", "group_views",
-           "Step", "copy_groups", "copy_into", "unpin", "ClaimLock"]
-
-ALIGN = 64
-# Each slot starts with a 64-byte header; its first int64 is the claim word:
-# the seq the writer may start on, or a negative value (see snapsvc.writer).
-HEADER = 64
-
-
-PARAM, BUFFER, OPTIM = "param", "buffer", "optim"
-# Tensors of a nested state beyond its model (snapsvc.state): STATE_STEP ones
-# (parameters, optimizer state) change only in an optimizer step, which
-# guard() can hold back; STATE ones (buffers, plain tensors) may change any time.
-STATE, STATE_STEP = "state", "state_step"
-# Kinds overlap mode copies at submit (what forward() may change); the others
-# wait for the copier thread. Never in one group with the others.
-EARLY = frozenset((BUFFER, STATE))
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    nbytes: int
-    kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
-
-
-@dataclass(frozen=True)
-class Group:
-    """Specs (indices, in file order) packed back to back from ``offset``: one dtype."""
-
-    indices: tuple[int, ...]
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-
-
-def _group_key(spec: TensorSpec) -> tuple[bool, torch.dtype]:
-    return spec.kind in EARLY, spec.dtype
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of a snapshot lives inside a slot."""
-
-    specs: tuple[TensorSpec, ...]
-    nbytes: int
-    structural_hash: str
-
-    @classmethod
-    def of(cls, params: Iterable[tuple[str, torch.Tensor]],
-           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
-           optim: Iterable[tuple[str, torch.Tensor]] = (),
-           state: Iterable[tuple[str, str, torch.Tensor]] = ()) -> "Layout":
-        """Specs in file order: ``params``, ``buffers``, then ``state`` as
-        (kind, name, tensor) triples, then ``optim`` (a file of its own).
-        Offsets: group by group (see :attr:`groups`), packed inside each."""
-        triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
-                   *state, *((OPTIM, n, t) for n, t in optim)]
-        for _, name, t in triples:
-            fdl.check_encodable(name, t)  # refuse before anything is staged
-        specs = [TensorSpec(name, tuple(t.shape), t.dtype, 0, t.numel() * t.element_size(), kind)
-                 for kind, name, t in triples]
-        offset = HEADER
-        for indices in _grouped(specs).values():
-            for i in indices:
-                specs[i] = replace(specs[i], offset=offset)
-                offset += specs[i].nbytes
-            offset = -(-offset // ALIGN) * ALIGN
-        return cls(tuple(specs), offset, structural_hash)
-
-    @functools.cached_property
-    def groups(self) -> tuple[Group, ...]:
-        """The packed groups, in slot order."""
-        out = []
-        for indices in _grouped(self.specs).values():
-            first = self.specs[indices[0]]
-            out.append(Group(tuple(indices), first.offset,
-                             sum(self.specs[i].nbytes for i in indices), first.dtype))
-        return tuple(out)
-
-    def to_msg(self) -> dict[str, Any]:
-        return {"hash": self.structural_hash, "nbytes": self.nbytes,
-                "specs": [[s.name, list(s.shape), fdl.DTYPE_TO_TAG[s.dtype], s.offset, s.nbytes,
-                           s.kind] for s in self.specs]}
-
-    @classmethod
-    def from_msg(cls, msg: dict[str, Any]) -> "Layout":
-        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, kind)
-                      for name, shape, tag, off, n, kind in msg["specs"])
-        return cls(specs, msg["nbytes"], msg["hash"])
-
-
-def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
-    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
-    for i, spec in enumerate(specs):
-        groups.setdefault(_group_key(spec), []).append(i)
-    return groups
+__all__ = ["allocate", "claim_word", "views", "group_views", "Step", "copy_groups", "copy_into",
+           "unpin", "ClaimLock"]
 
 
 def _check_shm_room(nbytes: int) -> None:

@@ -47,11 +47,11 @@ from typing import Callable
 
 import torch
 
-from . import fdl
+from ..errors import EncodeError, FormatError
+from ..format import fdl
+from ..format.streams import open_source
 from .checkpoint import save_checkpoint
 from .durable import atomic_write
-from .errors import EncodeError, FormatError
-from .streams import open_source
 
 __all__ = [
     "FORMATS",

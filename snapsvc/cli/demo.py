@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .checkpoint import model_tensors
-from .client import SnapshotWriter
-from .resume import restore
-from .verify import verify
+from ..engine.writer import SnapshotWriter
+from ..files.checkpoint import model_tensors
+from ..files.verify import verify
+from ..state.resume import restore
 
 __all__ = ["DemoResult", "run_demo", "format_demo"]
 

@@ -23,8 +23,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..errors import SlotBudgetError
+from ..format.layout import BUFFER, EARLY, Layout
 from . import staging
-from .errors import SlotBudgetError
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
            "python_guard", "RESERVED"]
@@ -36,7 +37,7 @@ class Slot:
     """One shared-memory slot. ``seq``: None free, RESERVED staging, else the
     write in flight; ``gen``: the sidecar generation that has it mapped."""
 
-    def __init__(self, sid: int, layout: staging.Layout, pin: bool) -> None:
+    def __init__(self, sid: int, layout: Layout, pin: bool) -> None:
         self.id = sid
         self.layout = layout
         self.pinned = pin
@@ -49,15 +50,15 @@ class Slot:
         self.copying = False          # overlap mode: the copier thread is filling it
         self.outs = staging.group_views(self.flat, layout)  # one flat tensor per group
         # overlap mode copies at submit what an optimizer step does not change
-        self.early = [i for i, s in enumerate(layout.specs) if s.kind in staging.EARLY]
-        self.late = [i for i, s in enumerate(layout.specs) if s.kind not in staging.EARLY]
+        self.early = [i for i, s in enumerate(layout.specs) if s.kind in EARLY]
+        self.late = [i for i, s in enumerate(layout.specs) if s.kind not in EARLY]
         self.early_set = frozenset(self.early)
         self.data_bytes = sum(s.nbytes for s in layout.specs)
         # incremental mode: (sources, storage pointers, _versions) of the last copy
         self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         # what the buffer names add to a metadata file (client._pack_body's room)
         self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
-                                if s.kind == staging.BUFFER)
+                                if s.kind == BUFFER)
 
     @property
     def busy(self) -> bool:
@@ -214,7 +215,7 @@ class SlotPools:
     def nbytes(self) -> int:
         return sum(s.layout.nbytes for s in self)
 
-    def pool(self, key: tuple, layout: Callable[[], staging.Layout], pin: bool
+    def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool
              ) -> tuple[Pool, list[Slot]]:
         """The pool for ``key`` (made from ``layout()`` if new, within the budget),
         and the slots of other pools released because they were idle: the

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from isal import isal_zlib
 
-from . import fdl
-from .protocol import MAX_METADATA, pack_value, unpack_value
+from ..errors import FormatError
+from ..format import fdl
+from ..format.protocol import MAX_METADATA, pack_value, unpack_value
 from .checkpoint import FileStats, stage_checkpoint_file
 from .durable import DurableFile, commit, discard, staged_write
-from .errors import FormatError
 
-__all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "stage_meta", "write_with_meta",
+__all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "optim_path", "stage_meta", "write_with_meta",
            "read_meta", "read_msgpack_file"]
 
 META_SUFFIX = ".meta"
@@ -40,6 +40,15 @@ _READS = (1, META_VERSION)
 
 def meta_path(checkpoint: str | os.PathLike[str]) -> str:
     return os.fspath(checkpoint) + META_SUFFIX
+
+
+def optim_path(path: str | os.PathLike[str]) -> str:
+    """``x.fdl`` -> ``x.optim.fdl``; ``x.fdl.gz`` -> ``x.optim.fdl.gz``; else ``x.optim``."""
+    path = os.fspath(path)
+    for suffix in (".fdl.gz", ".fdl"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)] + ".optim" + suffix
+    return path + ".optim"
 
 
 @dataclass

@@ -1,0 +1,252 @@
+"""``snapsvc inspect`` and ``snapsvc verify``: read checkpoints, change nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+
+from ..errors import SnapsvcError
+from ..files.convert import FileInfo, describe_file, file_format
+from ..files.meta import META_SUFFIX, meta_path, optim_path, read_meta
+from ..files.verify import VerifyReport, verify
+from .core import EXIT_FAILURE, EXIT_OK, ProgressBar, _printable, human_bytes, register
+
+
+# -- inspect ------------------------------------------------------------------------
+def _iso(ts: object) -> str | None:
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        return None
+    try:
+        return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).astimezone() \
+            .isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _meta_summary(path: str) -> tuple[dict | None, str | None]:
+    """(metadata as plain JSON-able values, or None; the reason it is unreadable, or None)."""
+    if not os.path.exists(meta_path(path)):
+        return None, None
+    try:
+        m = read_meta(path)
+    except SnapsvcError as e:
+        return None, getattr(e, "reason", str(e))
+    buffers = m.buffers if isinstance(m.buffers, list) else []
+    return {
+        "path": meta_path(path),
+        "epoch": m.epoch,
+        "metrics": m.metrics,
+        "buffers": len(buffers),
+        "buffer_names": buffers,
+        "entries": m.entries,
+        "size": m.size,
+        "crc32": f"{m.crc32:08x}" if isinstance(m.crc32, int) else repr(m.crc32),
+        "structural_hash": m.structural_hash,
+        "format_version": m.format_version,
+        "created": _iso(m.created),
+        "created_unix": m.created if isinstance(m.created, (int, float)) else None,
+        "optimizer": _optimizer_summary(getattr(m, "optimizer", None)),
+    }, None
+
+
+def _optimizer_summary(opt: object) -> dict | None:
+    """The optimizer file's description from the metadata, without its state."""
+    if not isinstance(opt, dict):
+        return None
+    return {k: opt.get(k) for k in ("class", "file", "entries", "size")}
+
+
+def _inspect_json(info: FileInfo, meta: dict | None, meta_error: str | None) -> str:
+    doc = {
+        "path": info.path,
+        "format": info.format,
+        "gzip": info.gzip,
+        "file_bytes": info.file_bytes,
+        "version": info.version,
+        "structural_hash": info.structural_hash,
+        "tensor_bytes": info.tensor_bytes,
+        "entries": [{"name": e.name, "dtype": str(e.dtype).removeprefix("torch."),
+                     "shape": list(e.shape), "bytes": e.nbytes, "offset": e.offset}
+                    for e in info.entries],
+        "safetensors_metadata": info.metadata if info.format == "safetensors" else None,
+        "meta": meta,
+        "meta_error": meta_error,
+    }
+    return json.dumps(_strict_json(doc), default=str, allow_nan=False)
+
+
+def _strict_json(value: object) -> object:
+    """``value`` ready for strict JSON: every non-finite float (a diverged loss, say)
+    becomes the string "NaN", "Infinity" or "-Infinity", which keeps which one it
+    was (``float()`` reads each back), and a map key JSON cannot hold its ``str``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int)) or k is None else str(_strict_json(k)):
+                _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+def _inspect_text(info: FileInfo, meta: dict | None, meta_error: str | None) -> str:
+    kind = info.format + (" (gzip)" if info.gzip else "")
+    lines = [
+        f"file:            {info.path}",
+        f"format:          {kind}, {info.file_bytes} bytes on disk",
+    ]
+    if info.format == "fdl":
+        lines.append(f"version:         {info.version}")
+    lines += [
+        f"structural hash: {info.structural_hash or ('none (all zeros)' if info.format == 'fdl' else 'none')}",
+        f"entries:         {len(info.entries)}, {info.tensor_bytes} bytes of tensor data"
+        + (f" ({human_bytes(info.tensor_bytes)})" if info.tensor_bytes >= 1024 else ""),
+    ]
+    if info.entries:
+        rows = [("name", "dtype", "shape", "bytes")]
+        rows += [(_printable(e.name), str(e.dtype).removeprefix("torch."),
+                  "[" + ", ".join(map(str, e.shape)) + "]", str(e.nbytes)) for e in info.entries]
+        lines += [""] + _table(rows, right={3})
+    if info.format == "safetensors" and info.metadata:
+        lines += ["", "safetensors metadata:"]
+        lines += [f"  {_printable(k)}: {_printable(v)}" for k, v in info.metadata.items()]
+    lines.append("")
+    if meta_error is not None:
+        lines.append(f"metadata:        invalid: {meta_error}")
+    elif meta is None:
+        if info.format == "fdl":
+            lines.append(f"metadata:        none ({os.path.basename(meta_path(info.path))} "
+                         "does not exist)")
+    else:
+        metrics = meta["metrics"]
+        if isinstance(metrics, dict):
+            metrics = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in metrics.items()) or "none"
+        lines += [
+            f"metadata ({os.path.basename(meta['path'])}):",
+            f"  epoch:    {meta['epoch']}",
+            f"  metrics:  {metrics}",
+            f"  buffers:  {meta['buffers']}",
+            f"  entries:  {meta['entries']}",
+            f"  size:     {meta['size']} bytes",
+            f"  crc32:    {meta['crc32']}",
+            f"  created:  {meta['created'] or repr(meta['created_unix'])}",
+        ]
+        opt = meta["optimizer"]
+        if opt is not None:
+            lines.append(f"  optimizer: {opt['class']}, {opt['entries']} entries in "
+                         f"{opt['file']} ({opt['size']} bytes)")
+    return "\n".join(lines).rstrip("\n")
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help=".fdl, .fdl.gz or .safetensors (a .pt file "
+                   "is loaded, weights only)")
+    p.add_argument("--json", action="store_true", help="print one strict JSON object; a "
+                   "non-finite number (e.g. a NaN loss) is the string \"NaN\", \"Infinity\" "
+                   "or \"-Infinity\"")
+
+
+@register("inspect", help="show a checkpoint's version, hash, entries and metadata",
+          description="Show a checkpoint's version, structural hash and entries (name, "
+          "dtype, shape, bytes) without loading tensor data, and its <FILE>.meta when "
+          "present.", arguments=_inspect_arguments)
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        kind = file_format(args.file)
+    except ValueError:
+        kind = "fdl"  # snapsvc's own format needs no suffix; the decoder checks the magic
+    info = describe_file(args.file, format=kind)
+    meta, meta_error = _meta_summary(args.file) if kind == "fdl" else (None, None)
+    print(_inspect_json(info, meta, meta_error) if args.json
+          else _inspect_text(info, meta, meta_error))
+    return EXIT_OK
+
+
+# -- verify -------------------------------------------------------------------------
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", metavar="FILE", nargs="+", help=".fdl or .fdl.gz checkpoints")
+    p.add_argument("--no-meta", action="store_true",
+                   help="do not require <FILE>.meta (still checked when present)")
+
+
+def _part_of(path: str) -> tuple[str, str] | None:
+    """(checkpoint, role) when ``path`` is the metadata or the optimizer file
+    written beside a checkpoint; None for a checkpoint (or anything else)."""
+    if os.path.exists(meta_path(path)):
+        return None  # it has metadata of its own: a checkpoint
+    if path.endswith(META_SUFFIX):
+        return path[: -len(META_SUFFIX)], "metadata"
+    head, sep, tail = path.rpartition(".optim")
+    owner = head + tail
+    if sep and optim_path(owner) == path and (os.path.exists(owner)
+                                              or os.path.exists(meta_path(owner))):
+        return owner, "optimizer file"
+    return None
+
+
+@register("verify", help="check checkpoints' structure, size and CRC-32",
+          description="Check each checkpoint's structure and, from its <FILE>.meta, its size, "
+          "CRC-32, entry count and hash, and those of its optimizer file. A .meta or "
+          "optimizer file given on its own is checked as part of its checkpoint (so "
+          "'verify checkpoints/*' works). Prints one line per file (OK) or per problem; exits "
+          "1 if any file fails.", arguments=_verify_arguments)
+def _verify(args: argparse.Namespace) -> int:
+    reports: dict[str, VerifyReport] = {}  # by checkpoint: each is read once
+    given = set(args.files)
+    failed = 0
+    n = len(args.files)
+    with ProgressBar(unit="files") as bar:
+        for i, path in enumerate(args.files):
+            bar(f"verifying {os.path.basename(path)}", i, n)
+            part = _part_of(path)
+            owner = path if part is None else part[0]
+            first = owner not in reports
+            if first:
+                reports[owner] = verify(owner, require_meta=not args.no_meta)
+            report = reports[owner]
+            bar.clear()
+            if part is None:
+                lines, ok = [str(report)], report.ok
+            else:
+                # the checkpoint's problems, once, unless it is listed itself
+                shown = [str(report)] if first and owner not in given and not report.ok else []
+                lines, ok = _verify_part(path, part[1], report, args.no_meta)
+                lines = shown + lines
+            print("\n".join(lines), flush=True)
+            failed += not ok
+    if n > 1:
+        print(f"{n - failed} of {n} files OK" + (f", {failed} failed" if failed else ""))
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _verify_part(path: str, role: str, report: VerifyReport, no_meta: bool
+                 ) -> tuple[list[str], bool]:
+    """The lines for a metadata or optimizer file whose checkpoint gave ``report``, and
+    whether it passed. It passes with its checkpoint, when the checkpoint checked it."""
+    owner = report.path
+    if role == "optimizer file":
+        if report.meta is None:
+            if no_meta:  # no metadata vouches for it: check its structure on its own
+                alone = verify(path, require_meta=False)
+                return [str(alone)], alone.ok
+        else:
+            opt = report.meta.optimizer
+            named = opt.get("file") if isinstance(opt, dict) else None
+            if named != os.path.basename(path):
+                return [f"{path}: FAILED: not the optimizer file of {owner} (its metadata "
+                        f"names {named or 'none'}): a leftover of an earlier write?"], False
+    if report.ok:
+        return [f"{path}: OK, checked as the {role} of {owner}"], True
+    return [f"{path}: FAILED, checked as the {role} of {owner} (see its problems)"], False

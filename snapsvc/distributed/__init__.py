@@ -1,0 +1,25 @@
+"""Multi-rank checkpoints on ``torch.distributed``: one sidecar per rank, one manifest.
+
+What each module holds::
+
+    manifest.py     the step directory, its manifest, latest_checkpoint
+    coord.py        rank/world lookup and small msgpack messages over a gloo group
+    shards.py       DTensor pieces: what each rank stages (FSDP2, tensor parallel)
+    pieces.py       reading pieces back: global tensors, ranged CRC-checked reads
+    writer.py       DistributedSnapshotWriter and its coordinator thread
+    restore.py      restore_distributed: per rank, or resharded at any world size
+    consolidate.py  a sharded checkpoint's whole model as one .fdl
+
+Imports: the engine (the per-rank ``SnapshotWriter``), ``state``, ``files``,
+``format`` and ``errors``; nothing above (integrations, cli).
+"""
+
+from .consolidate import consolidate
+from .manifest import MANIFEST_NAME, Manifest, RankFile, latest_checkpoint, read_manifest, step_dir
+from .restore import restore_distributed
+from .shards import SHARDS_KEY
+from .writer import DistributedSnapshotWriter, DistributedWriteHandle, DistributedWriteReport
+
+__all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",
+           "Manifest", "RankFile", "MANIFEST_NAME", "SHARDS_KEY", "consolidate",
+           "latest_checkpoint", "read_manifest", "restore_distributed", "step_dir"]

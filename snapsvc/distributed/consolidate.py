@@ -1,0 +1,55 @@
+"""``consolidate``: a sharded checkpoint's full, unsharded model as one ``.fdl``.
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+
+from ..files.checkpoint import layout_hash
+from ..errors import FormatError
+from ..files.meta import Meta, optim_path, read_meta, write_with_meta
+from .manifest import read_manifest
+from .pieces import _PieceReader, _globals, _sizes, _user_extra
+
+__all__ = ["consolidate"]
+
+
+def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                compress_level: int | None = None) -> str:
+    """Write a sharded checkpoint's full, unsharded model as one flodl ``.fdl``.
+
+    ``step`` is a complete ``step_<N>`` directory saved from a sharded model
+    (FSDP2, DTensor). ``dst`` gets the global tensors under the model's own
+    parameter and buffer names (gzip on ``.gz``), its ``.meta`` (rank 0's
+    epoch, metrics and extra), and, when the optimizer was saved, the
+    optimizer file beside it (``x.optim.fdl``), so :func:`snapsvc.restore`
+    loads it into a plain model and optimizer. Every piece is checked against
+    the manifest's CRC-32 first. Holds the whole model in memory. Returns
+    ``dst``'s absolute path.
+    """
+    m = read_manifest(step)
+    if m.sharded is None:
+        raise ValueError(f"{m.path} was not saved from a sharded model: each rank<r> file "
+                         "already holds that rank's whole model (snapsvc.restore reads it)")
+    saved = _globals(m)
+
+    def whole(names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        missing = [n for n in names if n not in saved]
+        if missing:
+            raise FormatError(f"no pieces of {missing[:5]} in any rank's file", path=m.path)
+        return [(n, reader.assemble(saved[n], [0] * len(saved[n].shape), saved[n].shape))
+                for n in names]
+
+    dst = os.path.abspath(os.fspath(dst))
+    with _PieceReader(_sizes(m), True) as reader:
+        params, buffers = whole(m.sharded["params"]), whole(m.sharded["buffers"])
+        info = m.sharded.get("optimizer")
+        optim = whole([n for n, g in saved.items() if g.kind == "optim"]) if info else None
+    meta0 = read_meta(os.path.join(m.path, m.ranks[0].file))
+    meta = Meta(buffers=[n for n, _ in buffers], epoch=int(m.epoch or 0), metrics=m.metrics,
+                structural_hash=layout_hash(params, buffers), extra=_user_extra(meta0.extra),
+                optimizer=info)
+    write_with_meta(dst, params + buffers, meta, compress_level=compress_level,
+                    optim=None if optim is None else (optim_path(dst), optim))
+    return dst

@@ -1,0 +1,193 @@
+"""The step directory and its manifest: what makes a multi-rank checkpoint complete.
+
+Layout on disk (``directory`` on a filesystem every rank shares)::
+
+    directory/step_<N>/rank0.fdl[.gz]       rank 0's model (flodl's format)
+    directory/step_<N>/rank0.fdl.meta       its metadata (snapsvc.files.meta)
+    directory/step_<N>/rank0.optim.fdl      its optimizer state, when saved
+    ...                                     the same for every rank
+    directory/step_<N>/manifest.msgpack     written last, by rank 0
+
+A ``step_<N>`` directory without a valid manifest is incomplete by
+definition: the manifest is written (durably: temp file, fsync, rename,
+fsync of the step directory and of ``directory``) only after every rank has
+reported its files durable, and it records each rank's file name, size and
+CRC-32. :func:`latest_checkpoint` returns only complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..files.durable import atomic_write, fsync_dir
+from ..format import fdl
+from ..errors import FormatError
+from ..files.meta import meta_path, read_msgpack_file
+from ..format.protocol import pack_value
+
+__all__ = ["MANIFEST_NAME", "Manifest", "RankFile", "latest_checkpoint", "read_manifest", "step_dir"]
+
+log = logging.getLogger("snapsvc")
+
+
+MANIFEST_NAME = "manifest.msgpack"
+MANIFEST_MAGIC = "snapsvc-dist-manifest"
+MANIFEST_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_MAX_MANIFEST = 64 << 20
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> str:
+    """``directory/step_<step>``."""
+    return os.path.join(os.path.abspath(directory), f"step_{int(step)}")
+
+
+def _rank_file(rank: int, compressed: bool) -> str:
+    return f"rank{rank}.fdl" + (".gz" if compressed else "")
+
+
+# -- manifest ---------------------------------------------------------------------
+@dataclass
+class RankFile:
+    """One rank's files in a checkpoint, as the manifest records them."""
+
+    rank: int
+    file: str                      # name inside the step directory
+    size: int                      # bytes on disk
+    crc32: int                     # of those bytes
+    optim: dict[str, Any] | None = None  # {"file", "size", "crc32"} of the optimizer file
+    # sharded checkpoints: one record per entry of ``file`` (see docs/distributed.md)
+    entries: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Manifest:
+    """A complete multi-rank checkpoint. ``path`` is its step directory (not stored)."""
+
+    step: int
+    world_size: int
+    ranks: list[RankFile]
+    format: str = "fdl"
+    format_version: int = fdl.VERSION
+    created: float = field(default_factory=time.time)
+    epoch: int | None = None       # rank 0's; each rank's own is in its .meta
+    metrics: dict[str, float] = field(default_factory=dict)  # rank 0's
+    # sharded checkpoints: {"params", "buffers": names in model order, "optimizer": its
+    # class, param groups and non-tensor state (snapsvc.resume), or None}
+    sharded: dict[str, Any] | None = None
+    path: str = ""
+
+
+def _write_manifest(directory: str, manifest: Manifest) -> str:
+    """Durably write ``directory/manifest.msgpack``; fsync ``directory``'s parent too."""
+    body = {"magic": MANIFEST_MAGIC, "manifest_version": MANIFEST_VERSION,
+            **{k: v for k, v in asdict(manifest).items() if k != "path"}}
+    path = os.path.join(directory, MANIFEST_NAME)
+    with atomic_write(path) as out:   # temp, fsync, rename, fsync step dir
+        out.write(pack_value(body))
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the step_<N> entry itself
+    return path
+
+
+def _plain_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not name or os.path.basename(name) != name \
+            or name in (".", ".."):
+        raise FormatError(f"{name!r} is not a file name inside the step directory", path=where)
+    return name
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Decode the manifest of a step directory (or the manifest file itself).
+
+    Raises :class:`FormatError` when it is missing (an incomplete checkpoint)
+    or malformed. Does not look at the rank files; :func:`latest_checkpoint`
+    does.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        directory, mpath = path, os.path.join(path, MANIFEST_NAME)
+    else:
+        directory, mpath = os.path.dirname(path), path
+    raw = read_msgpack_file(
+        mpath, what="manifest", magic=MANIFEST_MAGIC, version_key="manifest_version",
+        version=MANIFEST_VERSION, limit=_MAX_MANIFEST, missing="no manifest: the checkpoint "
+        "is incomplete (not every rank's file was reported durable, or the save is still "
+        "running); latest_checkpoint() finds the newest complete one")
+    try:
+        ranks = [RankFile(**r) for r in raw["ranks"]]
+        fields = {k: raw[k] for k in Manifest.__dataclass_fields__ if k in raw and k != "ranks"}
+        m = Manifest(ranks=ranks, **fields)
+    except (KeyError, TypeError) as e:
+        raise FormatError(f"manifest lacks or misnames a field ({e})", path=mpath) from None
+    m.path = directory
+    if not isinstance(m.step, int) or not isinstance(m.world_size, int) or m.world_size < 1:
+        raise FormatError(f"manifest has step {m.step!r}, world size {m.world_size!r}",
+                          path=mpath)
+    if [r.rank for r in m.ranks] != list(range(m.world_size)):
+        raise FormatError(f"manifest lists ranks {[r.rank for r in m.ranks]} for world size "
+                          f"{m.world_size}", path=mpath)
+    for r in m.ranks:
+        _plain_name(r.file, mpath)
+        if r.optim is not None:
+            _plain_name(r.optim.get("file"), mpath)
+    return m
+
+
+def _missing(m: Manifest) -> list[str]:
+    """What the manifest lists that is not on disk with the recorded size (cheap: stat only)."""
+    problems = []
+
+    def check(name: str, size: int) -> None:
+        p = os.path.join(m.path, name)
+        try:
+            actual = os.stat(p).st_size
+        except FileNotFoundError:
+            problems.append(f"{p}: missing")
+            return
+        if actual != size:
+            problems.append(f"{p}: {actual} bytes, the manifest says {size}")
+
+    for r in m.ranks:
+        check(r.file, r.size)
+        if not os.path.exists(meta_path(os.path.join(m.path, r.file))):
+            problems.append(f"{meta_path(os.path.join(m.path, r.file))}: missing")
+        if r.optim is not None:
+            check(r.optim["file"], r.optim["size"])
+    return problems
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The newest complete ``step_<N>`` directory under ``directory``, or None.
+
+    Complete: its manifest decodes, names this step, and every file it lists
+    exists with the recorded size (sizes only; :func:`restore_distributed`
+    checks CRC-32s of what it loads). Directories without a manifest are
+    incomplete and skipped, whatever they hold.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    steps = sorted(((int(m.group(1)), n) for n in names if (m := _STEP_RE.match(n))),
+                   reverse=True)
+    for step, name in steps:
+        path = os.path.join(directory, name)
+        try:
+            m = read_manifest(path)
+        except (FormatError, OSError):
+            continue
+        if m.step != step:
+            log.warning("%s: manifest says step %d; skipped", path, m.step)
+            continue
+        problems = _missing(m)
+        if problems:
+            log.warning("%s has a manifest but is damaged; skipped: %s", path, "; ".join(problems))
+            continue
+        return path
+    return None

@@ -1,0 +1,186 @@
+"""Reading pieces of sharded rank files back: the global tensors a manifest
+describes, and a reader that fetches only the byte ranges a rank needs,
+checking each against its recorded CRC-32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+import torch
+from isal import isal_zlib
+
+from ..format import fdl
+from ..errors import FormatError
+from .manifest import MANIFEST_NAME, Manifest
+from .shards import SHARDS_KEY, _DTYPES, _block_of, _is_dtensor
+
+
+def _crc_of(f: Any, n: int, crc: int = 0) -> int:
+    """CRC-32 of the next ``n`` bytes of ``f``; FormatError if it ends first."""
+    left = n
+    while left:
+        chunk = f.read(min(left, 16 << 20))
+        if not chunk:
+            raise FormatError(f"truncated: {n} bytes wanted, {n - left} read", path=f.name)
+        crc = isal_zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+def _entry_table(path: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with where each entry lies in ``path`` and its CRC-32, read back
+    from the file just written (offsets from the entry headers; the CRC covers
+    the entry's header and data, so a reader checks both with one range)."""
+    with open(path, "rb") as f:
+        dec = fdl.Decoder(f, size=os.fstat(f.fileno()).st_size, seekable=True, path=path)
+        found = list(dec.entries(load=False))
+        if [e.name for e in found] != [r["name"] for r in records]:
+            raise FormatError("the file's entries are not the pieces staged for it", path=path)
+        out = []
+        for e, r in zip(found, records):
+            f.seek(e.offset)
+            end = e.data_offset + e.nbytes
+            out.append({**r, "offset": e.offset, "data": e.data_offset, "end": end,
+                        "crc32": _crc_of(f, end - e.offset)})
+    return out
+
+
+@dataclass
+class _Piece:
+    file: str
+    offset: int
+    data: int
+    end: int
+    crc32: int
+    offsets: list[int]
+    lengths: list[int]
+
+
+@dataclass
+class _Global:
+    """One saved tensor, as the union of its pieces."""
+
+    name: str
+    kind: str
+    shape: list[int]
+    dtype: torch.dtype
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+def _globals(m: Manifest) -> dict[str, _Global]:
+    """Every saved tensor of a sharded checkpoint, by name, with the pieces that hold it."""
+    out: dict[str, _Global] = {}
+    where = os.path.join(m.path, MANIFEST_NAME)
+    for rf in m.ranks:
+        for r in rf.entries or ():
+            try:
+                name, shape = r["name"], [int(d) for d in r["shape"]]
+                dtype = _DTYPES[r["dtype"]]
+                piece = _Piece(os.path.join(m.path, rf.file), int(r["offset"]), int(r["data"]),
+                               int(r["end"]), int(r["crc32"]), [int(o) for o in r["offsets"]],
+                               [int(n) for n in r["lengths"]])
+                g = out.setdefault(name, _Global(name, r["kind"], shape, dtype))
+            except (KeyError, TypeError, ValueError) as e:
+                raise FormatError(f"rank {rf.rank}'s entry table is malformed ({e!r})",
+                                  path=where) from None
+            ok = (g.shape == shape and g.dtype == dtype and len(piece.offsets) == len(shape)
+                  == len(piece.lengths) and piece.offset <= piece.data <= piece.end
+                  and piece.end - piece.data == math.prod(piece.lengths) * dtype.itemsize
+                  and all(0 <= o and o + n <= d
+                          for o, n, d in zip(piece.offsets, piece.lengths, shape)))
+            if not ok:
+                raise FormatError(f"rank {rf.rank}'s piece of {name!r} (offsets {piece.offsets}, "
+                                  f"lengths {piece.lengths}) does not fit the tensor's shape "
+                                  f"{g.shape} and dtype", path=where)
+            g.pieces.append(piece)
+    return out
+
+
+class _PieceReader:
+    """Reads pieces by byte range, checking each against the manifest's size and CRC-32."""
+
+    def __init__(self, sizes: dict[str, int], verify: bool) -> None:
+        self._sizes = sizes
+        self._verify = verify
+        self._files: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> "_PieceReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def _open(self, path: str) -> Any:
+        f = self._files.get(path)
+        if f is None:
+            f = open(path, "rb")
+            self._files[path] = f
+            actual = os.fstat(f.fileno()).st_size
+            if actual != self._sizes[path]:
+                raise FormatError(f"{actual} bytes, the manifest says {self._sizes[path]}",
+                                  path=path)
+        return f
+
+    def read(self, g: _Global, p: _Piece) -> torch.Tensor:
+        shape = p.lengths
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=g.dtype)
+        f = self._open(p.file)
+        f.seek(p.offset)
+        head = f.read(p.data - p.offset)
+        data = bytearray(p.end - p.data)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            k = f.readinto(view[got:])
+            if not k:
+                raise FormatError("truncated inside the entry", path=p.file, offset=p.offset,
+                                  entry=g.name)
+            got += k
+        self.bytes_read += len(head) + len(data)
+        if self._verify:
+            crc = isal_zlib.crc32(data, isal_zlib.crc32(head))
+            if len(head) != p.data - p.offset or crc != p.crc32:
+                raise FormatError(f"CRC-32 {crc:08x} of the entry, the manifest says "
+                                  f"{p.crc32:08x}: the file changed after the checkpoint was "
+                                  "committed", path=p.file, offset=p.offset, entry=g.name)
+        return torch.frombuffer(data, dtype=g.dtype).view(shape)
+
+    def assemble(self, g: _Global, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        """The block of ``g`` at ``offsets``/``lengths``, from the pieces overlapping it only."""
+        out = torch.empty(lengths, dtype=g.dtype)
+        covered = 0
+        for p in g.pieces:
+            lo = [max(a, b) for a, b in zip(offsets, p.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, p.offsets, p.lengths)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            src = self.read(g, p)[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+        if covered != math.prod(lengths):
+            raise FormatError(f"the saved pieces cover {covered} of the {math.prod(lengths)} "
+                              f"elements at offsets {offsets}, lengths {lengths}",
+                              entry=g.name)
+        return out
+
+
+def _sizes(m: Manifest) -> dict[str, int]:
+    return {os.path.join(m.path, r.file): r.size for r in m.ranks}
+
+
+def _region(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(offsets, lengths) of the block of the global tensor this rank holds of ``t``:
+    all of a plain tensor; None for a DTensor whose mesh excludes this rank."""
+    if not _is_dtensor(t):
+        return [0] * t.dim(), list(t.shape)
+    b = _block_of(t, "")
+    return None if b is None else (b.offsets, b.lengths)
+
+
+def _user_extra(extra: Any) -> Any:
+    return extra["extra"] if isinstance(extra, dict) and SHARDS_KEY in extra else extra

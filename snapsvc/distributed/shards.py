@@ -1,0 +1,142 @@
+"""Sharded tensors (DTensor: FSDP2, tensor parallelism) on the way out.
+
+Each rank stages only its local pieces of parameters, optimizer state and
+buffers; a block held by several ranks is written by one of them. A sharded
+rank file's ``.meta`` extra is ``{SHARDS_KEY: its piece records, "extra":
+the caller's}``: per piece, where it lies in the global tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+import torch
+from torch import nn
+
+from ..files.checkpoint import persistent_buffers
+from ..format import fdl
+from ..engine.snapshot import ModelSnapshot
+from ..state.resume import optimizer_state
+
+__all__ = ["SHARDS_KEY"]
+
+
+SHARDS_KEY = "snapsvc_shards"
+_DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
+
+
+def _dtensor_type() -> Any:
+    """``DTensor`` if its module is loaded, else None: no tensor can be one then, and a
+    job without DTensors does not pay for importing it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Where this rank's piece of a DTensor of one shape, mesh and placements lies."""
+
+    writes: bool             # False: a replica that a rank at coordinate 0 writes
+    offsets: list[int]       # in the global tensor, padding excluded
+    lengths: list[int]
+    mesh: list[int]
+    placements: list[str]    # "S<dim>", "R"
+
+
+@functools.lru_cache(maxsize=1 << 12)   # per submit, thousands of tensors share a few specs
+def _block(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> _Block | None:
+    """This rank's block of a DTensor; None when the mesh excludes this rank.
+
+    The lengths exclude FSDP2's padding of uneven shards, as ``to_local()``
+    does. Placements other than ``Shard(dim)`` and ``Replicate()`` are refused.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    texts = []
+    for p in placements:
+        if type(p) is Shard:   # not _StridedShard (FSDP2 over TP): its piece is not one block
+            texts.append(f"S{p.dim}")
+        elif type(p) is Replicate:
+            texts.append("R")
+        else:
+            raise ValueError(f"placement {p!r} cannot be checkpointed by snapsvc (Shard(dim) and "
+                             "Replicate() can); redistribute the tensor, or full_tensor() it, "
+                             "first")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return _Block(not any(c != 0 and p == "R" for c, p in zip(coord, texts)),
+                  [int(o) for o in offsets], [int(n) for n in lengths], list(mesh.shape), texts)
+
+
+def _block_of(t: Any, name: str) -> _Block | None:
+    try:
+        return _block(t.shape, t.device_mesh, tuple(t.placements))
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}") from None
+
+
+def _piece(name: str, kind: str, t: torch.Tensor, rank: int
+           ) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """This rank's piece of ``t`` and its record, or None when another rank writes it.
+
+    A block held by several ranks (``Replicate()`` on a mesh dimension, or a
+    plain tensor, which every rank holds) is written once: by the rank at
+    coordinate 0 of each replicating mesh dimension, or by rank 0.
+    """
+    shape = list(t.shape)
+    if _is_dtensor(t):
+        b = _block_of(t, name)
+        if b is None or not b.writes:
+            return None
+        local = t.to_local()   # under _shard_plan's no_grad: no autograd view
+        if list(local.shape) != b.lengths:
+            raise ValueError(f"{name!r}: local shard has shape {list(local.shape)}, its placements "
+                             f"{b.placements} on mesh {b.mesh} give {b.lengths}")
+        offsets, lengths, mesh, placements = b.offsets, b.lengths, b.mesh, b.placements
+    else:
+        if rank != 0:
+            return None
+        local, offsets, lengths, mesh, placements = t.detach(), [0] * len(shape), shape, None, None
+    if math.prod(lengths) == 0 and math.prod(shape) != 0:
+        return None             # an empty shard (more ranks than rows): nothing to write
+    return local, {"name": name, "kind": kind, "shape": shape,
+                   "dtype": str(t.dtype).removeprefix("torch."), "mesh": mesh,
+                   "placements": placements, "offsets": offsets, "lengths": lengths}
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return _dtensor_type() is not None and any(_is_dtensor(p) for p in model.parameters())
+
+
+@torch.no_grad()
+def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
+                ) -> tuple[ModelSnapshot, list[dict[str, Any]], dict[str, Any]]:
+    """What this rank stages: its pieces of parameters, optimizer state and buffers as a
+    snapshot (one copy pass), their records in file order, and the model's description."""
+    named = list(model.named_parameters())
+    buffers = list(persistent_buffers(model))
+    optim, info = [], None
+    if optimizer is not None:
+        optim, info = optimizer_state(optimizer, {id(p): n for n, p in named})
+    first: dict[str, torch.Tensor] = {}    # params, then optimizer state: before the buffers
+    rest: dict[str, torch.Tensor] = {}
+    records: list[dict[str, Any]] = []
+    for kind, pairs, out in (("param", named, first), ("optim", optim, first),
+                             ("buffer", buffers, rest)):
+        for name, t in pairs:
+            piece = _piece(name, kind, t, rank)
+            if piece is not None:
+                out[name] = piece[0]
+                records.append(piece[1])
+    desc = {"params": [n for n, _ in named], "buffers": [n for n, _ in buffers],
+            "optimizer": info}
+    return ModelSnapshot(first, rest), records, desc

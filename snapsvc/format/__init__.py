@@ -1,0 +1,11 @@
+"""Bytes only: the ``.fdl`` codec, msgpack values and messages, streams, the slot layout.
+
+What each module holds::
+
+    fdl.py        flodl's .fdl format: dtype tables, Encoder, Decoder (no files, no threads)
+    protocol.py   msgpack values (tuples, int keys, tensors refs) and the sidecar's messages
+    streams.py    sources and sinks: plain or gzip, CRC-32 taps, memory readers
+    layout.py     where each tensor of a snapshot lives inside a shared-memory slot
+
+Imports: ``snapsvc.errors`` only. Nothing here opens a process or a thread.
+"""

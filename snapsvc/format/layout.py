@@ -1,0 +1,123 @@
+"""The slot layout: where each tensor of a snapshot lives inside a slot.
+
+Pure description, shared by both processes (the trainer builds it, the
+sidecar rebuilds it from a message): names, shapes, dtypes, offsets and
+kinds. Tensors of one dtype and one copy phase (see :data:`EARLY`) are
+packed back to back in a *group* that starts 64-byte aligned::
+
+    slot: | header 64 B (claim word) | group 0 ... | pad | group 1 ... | pad |
+            ^ int64 claim word          ^ tensors of one (phase, dtype), packed
+
+The file order of the entries is independent of where they sit in the slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from . import fdl
+
+__all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
+           "TensorSpec", "Group", "Layout"]
+
+ALIGN = 64
+# Each slot starts with a 64-byte header; its first int64 is the claim word:
+# the seq the writer may start on, or a negative value (see snapsvc.writer).
+HEADER = 64
+
+
+PARAM, BUFFER, OPTIM = "param", "buffer", "optim"
+# Tensors of a nested state beyond its model (snapsvc.state): STATE_STEP ones
+# (parameters, optimizer state) change only in an optimizer step, which
+# guard() can hold back; STATE ones (buffers, plain tensors) may change any time.
+STATE, STATE_STEP = "state", "state_step"
+# Kinds overlap mode copies at submit (what forward() may change); the others
+# wait for the copier thread. Never in one group with the others.
+EARLY = frozenset((BUFFER, STATE))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Specs (indices, in file order) packed back to back from ``offset``: one dtype."""
+
+    indices: tuple[int, ...]
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _group_key(spec: TensorSpec) -> tuple[bool, torch.dtype]:
+    return spec.kind in EARLY, spec.dtype
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a snapshot lives inside a slot."""
+
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    structural_hash: str
+
+    @classmethod
+    def of(cls, params: Iterable[tuple[str, torch.Tensor]],
+           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
+           optim: Iterable[tuple[str, torch.Tensor]] = (),
+           state: Iterable[tuple[str, str, torch.Tensor]] = ()) -> "Layout":
+        """Specs in file order: ``params``, ``buffers``, then ``state`` as
+        (kind, name, tensor) triples, then ``optim`` (a file of its own).
+        Offsets: group by group (see :attr:`groups`), packed inside each."""
+        triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
+                   *state, *((OPTIM, n, t) for n, t in optim)]
+        for _, name, t in triples:
+            fdl.check_encodable(name, t)  # refuse before anything is staged
+        specs = [TensorSpec(name, tuple(t.shape), t.dtype, 0, t.numel() * t.element_size(), kind)
+                 for kind, name, t in triples]
+        offset = HEADER
+        for indices in _grouped(specs).values():
+            for i in indices:
+                specs[i] = replace(specs[i], offset=offset)
+                offset += specs[i].nbytes
+            offset = -(-offset // ALIGN) * ALIGN
+        return cls(tuple(specs), offset, structural_hash)
+
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """The packed groups, in slot order."""
+        out = []
+        for indices in _grouped(self.specs).values():
+            first = self.specs[indices[0]]
+            out.append(Group(tuple(indices), first.offset,
+                             sum(self.specs[i].nbytes for i in indices), first.dtype))
+        return tuple(out)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"hash": self.structural_hash, "nbytes": self.nbytes,
+                "specs": [[s.name, list(s.shape), fdl.DTYPE_TO_TAG[s.dtype], s.offset, s.nbytes,
+                           s.kind] for s in self.specs]}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> "Layout":
+        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, kind)
+                      for name, shape, tag, off, n, kind in msg["specs"])
+        return cls(specs, msg["nbytes"], msg["hash"])
+
+
+def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
+    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(_group_key(spec), []).append(i)
+    return groups

@@ -1,0 +1,548 @@
+"""Asynchronous checkpoints for the Hugging Face ``transformers`` Trainer.
+
+:class:`SnapsvcTrainer` is a drop-in ``transformers.Trainer`` (written against
+5.24) whose ``_save_checkpoint`` stages the model, optimizer, scheduler,
+gradient scaler, RNG states (torch, cuda, python, numpy) and trainer state in
+one :meth:`SnapshotWriter.submit` and returns; the writer sidecar writes them.
+
+Layout. A committed ``checkpoint-<step>/`` holds::
+
+    snapsvc_state.fdl        every tensor (model, optimizer, scaler, torch RNG): flodl's format
+    snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
+    trainer_state.json       HF's own file, which train() and HF tools read
+    config.json              the model's config, when it has one
+
+One state file plus HF's JSON files, not HF's layout, because the sidecar
+writes ``.fdl`` files and never pickles: ``optimizer.pt``, ``scheduler.pt``
+and ``rng_state.pth`` are pickles, so HF's layout would mean writing them in
+the training process, which is the stall this class removes. The cost: a
+stock ``Trainer`` cannot resume from these directories (``SnapsvcTrainer``
+resumes from both kinds), and ``from_pretrained`` needs the weights exported
+(``snapsvc.load(path)["model"]``). Python's and numpy's RNG states become
+state-API values (tuples, ints, bytes) and are rebuilt on load.
+
+Completeness. transformers 5.24 has no incomplete-checkpoint marker:
+``get_last_checkpoint`` takes the highest ``checkpoint-<N>`` directory and
+``rotate_checkpoints`` globs ``checkpoint-*``. So a checkpoint is written into
+a hidden ``.snapsvc-checkpoint-<N>`` directory, which neither matches, and a
+committer thread renames it to ``checkpoint-<N>`` only after the sidecar
+reported the state file and its metadata durable and the JSON files and the
+directory were fsynced; then it fsyncs the run directory. A directory still
+being written, or left by a crash, is never under a name HF (or
+``resume_from_checkpoint=True``) picks; leftovers are removed at the next
+save. Because no write ever targets a ``checkpoint-*`` directory, rotation
+(HF's own ``rotate_checkpoints``, run by the committer right after each
+commit with the arguments the stock Trainer would pass) can neither delete a
+pending write nor keep a half-written one, so per-file waits and removal
+(``SnapshotWriter.wait_path``, ``snapsvc.checkpoint_files``) are not needed.
+``load_best_model_at_end`` and the end-of-training pruning run after the
+pending commits (``_finalize_training`` drains first).
+
+``snapsvc_options={"overlap": True}``: ``_save_checkpoint`` returns before
+the parameters and optimizer state are copied; the trainer guards its
+optimizer so that the next step waits for the copy.
+
+Errors. A failed write (disk error, dead sidecar) removes its hidden
+directory and raises at the next save, or when training ends, as
+:class:`WriteFailedError`, :class:`BrokenWriterError` or (several
+processes) :class:`DistributedCheckpointError`, naming the checkpoint.
+``save_model``, the end of training and :meth:`close` wait for pending
+commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
+
+Several processes (torchrun, DDP). Each rank submits its part through its
+own sidecar with :class:`snapsvc.DistributedSnapshotWriter`: rank 0 (HF's
+main process) the model, optimizer, scheduler, scaler, trainer state and its
+RNG states, every other rank its RNG states, into
+``<output_dir>/.snapsvc-ranks/step_<N>/rank<r>.fdl``. That writer commits
+the step with its manifest once every rank's file is durable; then the main
+process writes HF's JSON files there, fsyncs them and renames the directory
+to ``checkpoint-<N>`` (same filesystem). On resume every rank loads rank 0's
+file and its own RNG states, as the stock Trainer loads ``model.safetensors``
+and ``rng_state_<r>.pth``. ``output_dir`` must be shared by the ranks.
+
+Not covered, each falling back to the stock (synchronous) save with a
+warning: DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``, and runs of
+several processes that are not torch.distributed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import set_rng_state_for_device
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.training_args import ParallelMode
+from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter
+from ..engine.writer import SnapshotWriter, WriteHandle
+from ..files.durable import fsync_dir
+from ..state.tree import load
+from ..errors import BrokenWriterError, DistributedCheckpointError, SnapsvcError, \
+    WriteFailedError
+
+__all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
+
+log = logging.getLogger("snapsvc")
+
+STATE_FILE = "snapsvc_state.fdl"
+STAGING_PREFIX = ".snapsvc-"   # + "checkpoint-<N>": hidden from HF's "checkpoint-*" globs
+_CONFIG_FILE = "config.json"
+_live: "weakref.WeakSet[SnapsvcTrainer]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass
+class _Commit:
+    handle: WriteHandle
+    staging: str                        # "" on ranks that only wait for the manifest
+    final: str
+    run_dir: str
+    files: list[str]                    # small files written by the trainer, to fsync
+    rotate: bool
+    save_total_limit: int | None
+    best_model_checkpoint: str | None
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _named(err: BaseException, checkpoint: str) -> SnapsvcError:
+    """``err`` as a snapsvc error whose message names the checkpoint that was lost."""
+    what = f"checkpoint {checkpoint} was not written, so it is not on disk"
+    if isinstance(err, BrokenWriterError):
+        out: SnapsvcError = BrokenWriterError(f"{what}: {err}")
+    elif isinstance(err, DistributedCheckpointError):
+        out = DistributedCheckpointError(f"{what}: {err}", step=err.step, failures=err.failures,
+                                         timed_out=err.timed_out)
+    elif isinstance(err, OSError):
+        out = WriteFailedError(err.errno or 0, f"{what}: {err.strerror or err}",
+                               err.filename or checkpoint)
+    else:
+        out = WriteFailedError(0, f"{what}: {type(err).__name__}: {err}", checkpoint)
+    out.__cause__ = err
+    return out
+
+
+# -- RNG states as state-API values -------------------------------------------------
+def _rng_state(distributed: bool) -> dict[str, Any]:
+    """torch, cuda, python and numpy RNG states; numpy's key array becomes bytes."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(kind), np.asarray(keys, dtype="<u4").tobytes(), int(pos),
+                  int(has_gauss), float(cached)),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():  # the shape the stock Trainer saves
+        state["cuda"] = (torch.cuda.random.get_rng_state_all() if distributed
+                         else torch.cuda.random.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], distributed: bool) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype="<u4").copy(), pos, has_gauss, cached))
+    torch.random.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        set_rng_state_for_device("CUDA", torch.cuda, state, distributed)
+
+
+class SnapsvcTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints are written by a snapsvc sidecar.
+
+    Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
+    for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
+    ``fault_hook``, ...). The writer (:attr:`snapsvc_writer`) starts at the
+    first save and lives until :meth:`close` or interpreter exit; with
+    several processes it is a :class:`DistributedSnapshotWriter` (its
+    ``writer`` is this rank's SnapshotWriter), given the same options.
+    """
+
+    #: seconds save_model / the end of training / close() wait for pending commits
+    drain_timeout: float = 1800.0
+
+    def __init__(self, *args: Any, snapsvc_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.snapsvc_options = dict(snapsvc_options or {})
+        if "directory" in self.snapsvc_options or "keep_last" in self.snapsvc_options:
+            raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
+                             "come from args.output_dir and rotation from save_total_limit")
+        self.snapsvc_writer: SnapshotWriter | DistributedSnapshotWriter | None = None
+        self._snapsvc_commits: "queue.Queue[_Commit | None]" = queue.Queue()
+        self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> its commit, until done
+        self._snapsvc_failed: list[SnapsvcError] = []
+        self._snapsvc_cond = threading.Condition()
+        self._snapsvc_committer: threading.Thread | None = None
+        self._snapsvc_loaded: tuple[str, dict[str, Any]] | None = None
+        self._snapsvc_warned = False
+        self._snapsvc_guard: Any = None        # the step hook of overlap mode, and its optimizer
+        self._snapsvc_guarded: Any = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _snapsvc_fallback_reason(self) -> str | None:
+        """Why this run uses the stock synchronous save, or None."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "DeepSpeed and FSDP save their own sharded layouts"
+        if is_torch_xla_available() or is_sagemaker_mp_enabled():
+            return "XLA and SageMaker MP save through their own APIs"
+        if self.args.push_to_hub:
+            return "push_to_hub uploads the files of the stock layout"
+        if self.args.world_size > 1 and self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+            return "only torch.distributed runs of several processes are supported"
+        return None
+
+    @property
+    def _snapsvc_distributed(self) -> bool:
+        return self.args.world_size > 1
+
+    def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
+        if self.snapsvc_writer is None and not self._snapsvc_distributed:
+            self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
+        elif self.snapsvc_writer is None:
+            # Every rank saves the same steps, so every rank is here. Leftovers of
+            # a crashed run are removed before any rank writes.
+            root = os.path.join(self.args.output_dir, STAGING_PREFIX + "ranks")
+            if self.args.should_save:
+                shutil.rmtree(root, ignore_errors=True)
+            torch.distributed.barrier()
+            self.snapsvc_writer = DistributedSnapshotWriter(root, **self.snapsvc_options).start()
+        local = getattr(self.snapsvc_writer, "writer", self.snapsvc_writer)
+        # overlap=True: the parameter copy runs on while training goes on; the
+        # optimizer's next step waits for it. Accelerate wraps the optimizer, and
+        # step hooks fire on the torch optimizer inside.
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if local.overlap and self._snapsvc_guarded is not inner:
+            if self._snapsvc_guard is not None:
+                self._snapsvc_guard.remove()
+            self._snapsvc_guard = local.guard(inner)
+            self._snapsvc_guarded = inner
+        if self._snapsvc_committer is None:
+            self._snapsvc_committer = threading.Thread(
+                target=self._snapsvc_commit_loop, daemon=True, name="snapsvc-hf-committer")
+            self._snapsvc_committer.start()
+            _live.add(self)
+        return self.snapsvc_writer
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending commits, then stop the sidecar (a later save starts a new one)."""
+        try:
+            self._snapsvc_drain(self.drain_timeout if timeout is None else timeout)
+        finally:
+            if self._snapsvc_committer is not None:
+                self._snapsvc_commits.put(None)
+                self._snapsvc_committer.join(timeout=10)
+                self._snapsvc_committer = None
+            if self._snapsvc_guard is not None:
+                self._snapsvc_guard.remove()
+                self._snapsvc_guard = self._snapsvc_guarded = None
+            if self.snapsvc_writer is not None:
+                self.snapsvc_writer.close()
+                self.snapsvc_writer = None
+            _live.discard(self)
+        self._snapsvc_raise_failed()
+
+    # -- saving ---------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        self._snapsvc_raise_failed()
+        reason = self._snapsvc_fallback_reason()
+        if reason is not None:
+            if not self._snapsvc_warned:
+                log.warning("SnapsvcTrainer: synchronous stock checkpoints: %s", reason)
+                self._snapsvc_warned = True
+            self._snapsvc_drain(self.drain_timeout)
+            return super()._save_checkpoint(model, trial)
+        writer = self._snapsvc_start()
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        with self._snapsvc_cond:
+            again = final in self._snapsvc_pending
+        if again:  # the same step saved twice: its first write must land first
+            self._snapsvc_drain(self.drain_timeout)
+            self._snapsvc_raise_failed()
+        self._snapsvc_note_best(run_dir, final)
+        self._snapsvc_export_callback_states()
+        distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
+        # As the stock Trainer: the main process saves model, optimizer, scheduler,
+        # scaler and trainer state; every rank its RNG states.
+        state: dict[str, Any] = {}
+        if self.args.should_save:
+            state["model"] = self.model
+            if not self.args.save_only_model:
+                state["optimizer"] = self.optimizer
+                state["scheduler"] = self.lr_scheduler
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    state["scaler"] = scaler
+            state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        if not self.args.save_only_model or not self.args.should_save:
+            state["rng"] = _rng_state(distributed)
+        files: list[str] = []
+        handle: WriteHandle | None = None
+        try:
+            if isinstance(writer, DistributedSnapshotWriter):
+                # rank<r>.fdl in <output_dir>/.snapsvc-ranks/step_<N>, committed by a
+                # manifest once every rank's file is durable; renamed by the main process
+                handle = writer.submit(state, self.state.global_step)
+                staging = handle.path
+            else:
+                self._snapsvc_remove_leftovers(run_dir)
+                os.makedirs(staging)
+                handle = writer.submit(state, os.path.join(staging, STATE_FILE))
+            if self.args.should_save:
+                files = self._snapsvc_write_json(staging)
+            else:
+                staging = ""   # another rank commits it; this one waits for the manifest
+        except BaseException:
+            if not isinstance(writer, DistributedSnapshotWriter):  # no commit will come
+                if handle is not None:  # the sidecar writes into it: let it finish first
+                    writer.wait_path(handle.path, timeout=self.drain_timeout)
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        item = _Commit(handle, staging, final, run_dir, files, self.args.should_save,
+                       self.args.save_total_limit, self.state.best_model_checkpoint)
+        with self._snapsvc_cond:
+            self._snapsvc_pending[final] = item
+        self._snapsvc_commits.put(item)
+
+    def _snapsvc_write_json(self, directory: str) -> list[str]:
+        """HF's own files, by HF's own writers, into the hidden directory (the committer
+        fsyncs them); their names."""
+        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
+        config = getattr(self.model, "config", None)
+        if not hasattr(config, "to_json_file"):
+            return [TRAINER_STATE_NAME]
+        config.to_json_file(os.path.join(directory, _CONFIG_FILE), use_diff=True)
+        return [TRAINER_STATE_NAME, _CONFIG_FILE]
+
+    def _snapsvc_note_best(self, run_dir: str, final: str) -> None:
+        """Set ``state.best_model_checkpoint`` as the stock Trainer does, counting
+        checkpoints still being written (this one included) as existing."""
+        if (self.args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH,
+                                            SaveStrategy.BEST)
+                or not self.state.best_global_step):
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+        with self._snapsvc_cond:
+            pending = best in self._snapsvc_pending
+        if best == final or pending or os.path.exists(best):
+            self.state.best_model_checkpoint = best
+
+    def _snapsvc_export_callback_states(self) -> None:
+        """Record the state of every ExportableState callback (and of control) in
+        ``state.stateful_callbacks``, as the stock Trainer does before saving."""
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if not isinstance(cb, ExportableState):
+                continue
+            key = type(cb).__name__
+            if isinstance(self.state.stateful_callbacks[key], list):
+                self.state.stateful_callbacks[key].append(cb.state())
+            else:
+                self.state.stateful_callbacks[key] = cb.state()
+
+    def _snapsvc_remove_leftovers(self, run_dir: str) -> None:
+        """Remove hidden directories no pending commit owns (a crash left them)."""
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return
+        with self._snapsvc_cond:
+            owned = {c.staging for c in self._snapsvc_pending.values()}
+        for n in names:
+            path = os.path.join(run_dir, n)
+            if n.startswith(STAGING_PREFIX) and path not in owned and os.path.isdir(path):
+                log.info("snapsvc: removing %s, an unfinished checkpoint", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- the committer thread ----------------------------------------------------------
+    def _snapsvc_commit_loop(self) -> None:
+        while (item := self._snapsvc_commits.get()) is not None:
+            try:
+                self._snapsvc_commit(item)
+            except BaseException as e:  # the thread must go on; the trainer raises it
+                if item.staging:
+                    shutil.rmtree(item.staging, ignore_errors=True)
+                err = _named(e, item.final)
+                log.error("%s", err)
+                with self._snapsvc_cond:
+                    self._snapsvc_failed.append(err)
+            finally:
+                with self._snapsvc_cond:
+                    if self._snapsvc_pending.get(item.final) is item:
+                        del self._snapsvc_pending[item.final]
+                    self._snapsvc_cond.notify_all()
+
+    @staticmethod
+    def _snapsvc_commit(item: _Commit) -> None:
+        report = item.handle.result()   # resolves: written, failed, or the sidecar died
+        if not item.staging:
+            return
+        if report.skipped:
+            log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
+            shutil.rmtree(item.staging, ignore_errors=True)
+            return
+        for name in item.files:
+            _fsync_file(os.path.join(item.staging, name))
+        fsync_dir(item.staging)
+        old = None
+        if os.path.isdir(item.final):  # a step saved again replaces its directory
+            old = os.path.join(item.run_dir, STAGING_PREFIX + "old-" +
+                               os.path.basename(item.final))
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(item.final, old)
+        os.rename(item.staging, item.final)
+        fsync_dir(item.run_dir)
+        if os.path.dirname(item.staging) != item.run_dir:
+            fsync_dir(os.path.dirname(item.staging))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if item.rotate:
+            rotate_checkpoints(output_dir=item.run_dir, save_total_limit=item.save_total_limit,
+                               best_model_checkpoint=item.best_model_checkpoint, use_mtime=True)
+
+    def _snapsvc_drain(self, timeout: float) -> None:
+        """Wait until every submitted checkpoint is committed or failed."""
+        deadline = time.monotonic() + timeout
+        with self._snapsvc_cond:
+            while self._snapsvc_pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"checkpoints {sorted(self._snapsvc_pending)} not committed within "
+                        f"{timeout:g} s (SnapsvcTrainer.drain_timeout); they stay hidden until "
+                        "they are")
+                self._snapsvc_cond.wait(left)
+
+    def _snapsvc_raise_failed(self) -> None:
+        with self._snapsvc_cond:
+            failed, self._snapsvc_failed = self._snapsvc_failed, []
+        if failed:
+            if len(failed) > 1:
+                log.error("snapsvc: also lost: %s", "; ".join(str(e) for e in failed[1:]))
+            raise failed[0]
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Wait for pending checkpoints (raising a failed one), then save as the Trainer does."""
+        self._snapsvc_drain(self.drain_timeout)
+        self._snapsvc_raise_failed()
+        super().save_model(output_dir, _internal_call)
+
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: float) -> Any:
+        # Before the stock finalizer: it loads the best model, sorts and prunes
+        # checkpoints and calls on_train_end, all of which need them committed.
+        self._snapsvc_drain(self.drain_timeout)
+        self._snapsvc_raise_failed()   # every rank's handle failed alike: all raise
+        if self._snapsvc_distributed and self.snapsvc_writer is not None:
+            torch.distributed.barrier()   # the main process has renamed the last one
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    # -- loading --------------------------------------------------------------------
+    def _snapsvc_file(self, checkpoint: str, key: str) -> str:
+        """The file holding ``key``: the state file, or in a multi-rank checkpoint the main
+        process's (rank 0) and for RNG states this rank's."""
+        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+            return os.path.join(checkpoint, STATE_FILE)
+        rank = self.args.process_index if key == "rng" else 0
+        return os.path.join(checkpoint, f"rank{rank}.fdl")
+
+    def _snapsvc_take(self, checkpoint: str, key: str, fresh: bool = False) -> Any:
+        """``key`` of ``checkpoint`` (None if absent), handed out once: a file is read at
+        the start of a resume (``fresh``) and kept until the RNG state is taken."""
+        path = self._snapsvc_file(checkpoint, key)
+        if not os.path.isfile(path):
+            return None    # a rank of a run with more processes than the saving one
+        if fresh or self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path:
+            self._snapsvc_loaded = (path, load(path))
+        return self._snapsvc_loaded[1].pop(key, None)
+
+    @staticmethod
+    def _snapsvc_ours(checkpoint: str | None) -> bool:
+        return checkpoint is not None and any(
+            os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        if not self._snapsvc_ours(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.model if model is None else model
+        log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
+        self._issue_warnings_after_load(
+            model.load_state_dict(self._snapsvc_take(resume_from_checkpoint, "model", fresh=True),
+                                  False))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if not self._snapsvc_ours(best):
+            return super()._load_best_model()
+        log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
+        weights = self._snapsvc_take(best, "model", fresh=True)
+        self._issue_warnings_after_load(self.model.load_state_dict(weights, False))
+        self._snapsvc_loaded = None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._snapsvc_ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = self._snapsvc_take(checkpoint, "optimizer")
+        scheduler = self._snapsvc_take(checkpoint, "scheduler")
+        if optimizer is not None and scheduler is not None:  # absent: save_only_model
+            self.optimizer.load_state_dict(optimizer)
+            self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if not self._snapsvc_ours(checkpoint):
+            return super()._load_scaler(checkpoint)
+        scaler = self._snapsvc_take(checkpoint, "scaler")
+        if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self._snapsvc_ours(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        rng = self._snapsvc_take(checkpoint, "rng")
+        self._snapsvc_loaded = None   # the last piece a resume needs
+        if rng is None:
+            log.info("snapsvc: %s holds no RNG state (save_only_model); resuming is not "
+                     "bit-exact", checkpoint)
+            return
+        _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Interpreter exit without close(): commit what the sidecar makes durable, bounded.
+
+    Registered after the client's own exit handler, so it runs first, while
+    the sidecar still writes.
+    """
+    for trainer in list(_live):
+        try:
+            trainer._snapsvc_drain(trainer.drain_timeout)
+        except Exception:
+            log.exception("snapsvc: committing checkpoints at exit failed")
