@@ -1,7 +1,7 @@
 """Fault hooks run inside the writer sidecar (importable, so they pickle under spawn).
 
 The writer calls ``hook(stage, path)`` at "start" and at the durable-write
-stages "open", "write", "fsync" and "rename" (see snapsvc.durable). Bind the
+stages "open", "write", "fsync" and "rename" (see snapsvc.files.durable). Bind the
 leading arguments with ``functools.partial``.
 
 Hooks that inject a fault act only while a file named ``FAULT`` exists in the

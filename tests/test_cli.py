@@ -1,4 +1,4 @@
-"""The ``snapsvc`` command line and the conversions behind it (snapsvc.convert).
+"""The ``snapsvc`` command line and the conversions behind it (snapsvc.files.convert).
 
 Commands run in-process through ``snapsvc.cli.main`` (output captured with
 capsys); one test runs ``python -m snapsvc`` as a subprocess. Hostile
@@ -28,6 +28,7 @@ from torch import nn
 import snapsvc
 from snapsvc import EncodeError, FormatError, cli
 from snapsvc.files import convert as conv
+from snapsvc.files import safetensors as safetensors_mod
 from snapsvc.files.checkpoint import model_tensors
 from snapsvc.cli import files as cli_files
 from snapsvc.cli import main
@@ -708,7 +709,7 @@ def test_mutated_safetensors_fail_only_with_format_error(tmp_path, data):
 def test_header_length_cap(tmp_path, monkeypatch):
     path = tmp_path / "big.safetensors"
     path.write_bytes(st_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, F32x2))
-    monkeypatch.setattr(conv, "MAX_HEADER", 16)
+    monkeypatch.setattr(safetensors_mod, "MAX_HEADER", 16)
     with pytest.raises(FormatError, match="exceeds the limit of 16 bytes"):
         conv.read_safetensors(path)
 

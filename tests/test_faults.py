@@ -116,7 +116,7 @@ def test_no_restart_when_disabled(tmp_path, net):
     with snapsvc.SnapshotWriter(tmp_path, restart=False) as w:
         w.submit(net, "a.fdl").result(timeout=60)
         os.kill(w.pid, signal.SIGKILL)
-        wait_for(lambda: w._broken is not None, 5, "the death to be noticed")
+        wait_for(lambda: w._book.broken is not None, 5, "the death to be noticed")
         with pytest.raises(snapsvc.BrokenWriterError, match="SIGKILL"):
             w.submit(net, "b.fdl")
         assert w.stats()["restarts"] == 0

@@ -1,4 +1,4 @@
-"""File modes and file-name lengths of what snapsvc writes (snapsvc.durable).
+"""File modes and file-name lengths of what snapsvc writes (snapsvc.files.durable).
 
 Final files get the mode ``open()`` would give them (0666 less the umask),
 in-process and from the sidecar, which inherits the trainer's umask. A final

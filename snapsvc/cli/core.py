@@ -140,7 +140,7 @@ def _error(message: str) -> None:
 class ProgressBar:
     """A one-line progress bar, drawn only when ``stream`` (stderr) is a terminal.
 
-    Call it as a :data:`snapsvc.convert.Progress`: ``bar(phase, done, total)``.
+    Call it as a :data:`snapsvc.files.convert.Progress`: ``bar(phase, done, total)``.
     ``unit="B"`` shows byte counts, anything else plain counts.
     """
 

@@ -78,7 +78,7 @@ class Manifest:
     epoch: int | None = None       # rank 0's; each rank's own is in its .meta
     metrics: dict[str, float] = field(default_factory=dict)  # rank 0's
     # sharded checkpoints: {"params", "buffers": names in model order, "optimizer": its
-    # class, param groups and non-tensor state (snapsvc.resume), or None}
+    # class, param groups and non-tensor state (snapsvc.state.resume), or None}
     sharded: dict[str, Any] | None = None
     path: str = ""
 

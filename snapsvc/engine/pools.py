@@ -1,6 +1,6 @@
 """Slot pools and copy plans: where each submit's tensors go, and which tensors they are.
 
-A *pool* is ``slots`` shared-memory slots (:mod:`snapsvc.staging`) for one
+A *pool* is ``slots`` shared-memory slots (:mod:`snapsvc.engine.staging`) for one
 layout (names, shapes, dtypes). A *plan* caches, per model, the tensors to
 copy and their pool, so a submit of an unchanged model does not walk it by
 name. Memory stays bounded: the pools of layouts that the last submit did
@@ -8,7 +8,7 @@ not use are released as soon as they are idle (:meth:`SlotPools.trim`), and
 ``max_slot_bytes`` caps the total.
 
 Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
-:class:`~snapsvc.client.SnapshotWriter` that owns them: every method here
+:class:`~snapsvc.engine.book.Book` of the writer that owns them: every method here
 is called with that lock held, so slot states, pools and plans change
 together with the writer's pending writes.
 """

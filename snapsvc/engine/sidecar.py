@@ -2,7 +2,7 @@
 
 One :class:`Sidecar` owns one process at a time (a *generation*): its pipes,
 the claim lock both sides share, and the reader thread that delivers its
-reports. The process loop itself is :func:`snapsvc.writer.writer_main`.
+reports. The process loop itself is :func:`snapsvc.engine.worker.writer_main`.
 
 Death is seen through the process sentinel, never by waiting for a message:
 the reader thread waits on ``[report pipe, sentinel]`` and, when the process

@@ -2,13 +2,13 @@
 
 It reads control messages from the trainer's pipe, encodes each snapshot
 straight out of its shared-memory slot into a durable ``.fdl`` file plus
-metadata, and reports back in submit order. See :mod:`snapsvc.client` for
+metadata, and reports back in submit order. See :mod:`snapsvc.engine.writer` for
 the whole data flow.
 
 Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
 queued but not yet started. Each slot's header holds an int64 claim word,
 read and written only under a lock shared by both processes
-(:class:`snapsvc.staging.ClaimLock`, which the kernel releases if its holder dies):
+(:class:`snapsvc.engine.staging.ClaimLock`, which the kernel releases if its holder dies):
 
 - the trainer sets it to the seq of the WRITE it is about to send;
 - the writer, on that WRITE, sets it to ``STARTED`` if it still holds that
@@ -101,7 +101,7 @@ class _Sidecar:
         digits (``step100.fdl`` and ``step200.fdl``, not ``best.fdl``), so a
         ``best.fdl`` saved through the same writer is never rotated away.
         Each file loses its name now; its data is freed after the report
-        (see :func:`~snapsvc.durable.set_aside`), through ``trash``.
+        (see :func:`~snapsvc.files.durable.set_aside`), through ``trash``.
         """
         series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
         mine = self.written.setdefault(series, [])

@@ -147,7 +147,7 @@ def stage_checkpoint_file(path: str | os.PathLike[str], encoder: fdl.Encoder, *,
     """Write ``encoder``'s stream into a fsynced temp file beside ``path`` (gzip on ``.gz``).
 
     Returns (the staged file, uncompressed stream bytes, encode seconds). The
-    caller must :func:`~snapsvc.durable.commit` or ``discard`` it.
+    caller must :func:`~snapsvc.files.durable.commit` or ``discard`` it.
     """
     t0 = time.perf_counter()
     with staged_write(path) as out:

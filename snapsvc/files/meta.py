@@ -32,7 +32,7 @@ __all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "optim_path", "st
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
-# 2: the fields packed by snapsvc.protocol (int keys, tuples, state tree) and
+# 2: the fields packed by snapsvc.format.protocol (int keys, tuples, state tree) and
 # checked by their own CRC-32, so a corrupt value is never read back silently
 META_VERSION = 2
 _READS = (1, META_VERSION)
@@ -64,7 +64,7 @@ class Meta:
     created: float = field(default_factory=time.time)
     extra: Any = None
     # class, param groups, non-tensor state, and "file", "size", "crc32", "entries"
-    # of the optimizer file (snapsvc.resume); None when none was saved
+    # of the optimizer file (snapsvc.state.resume); None when none was saved
     optimizer: dict[str, Any] | None = None
     # the state tree of a nested submit (snapsvc.state), None for a model submit
     state: Any = None
@@ -94,10 +94,10 @@ def write_with_meta(path: str | os.PathLike[str],
     optimizer file, metadata. ``meta``'s size, checksum, entry count and
     version are filled in here; ``optim`` is (path, entries) and its
     description must already be in ``meta.optimizer``. Entries may come as an
-    :class:`~snapsvc.fdl.Encoder` built once (the sidecar's slots); the
+    :class:`~snapsvc.format.fdl.Encoder` built once (the sidecar's slots); the
     checkpoint's must then carry ``meta.structural_hash``. A failure before
     the renames leaves any previous files of those names untouched, and no
-    temp file. ``trash``: see :func:`~snapsvc.durable.commit`.
+    temp file. ``trash``: see :func:`~snapsvc.files.durable.commit`.
     """
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
     encoder = entries if isinstance(entries, fdl.Encoder) else fdl.Encoder(entries, structural_hash=hash_)

@@ -3,8 +3,8 @@
 This module turns (name, tensor) pairs into bytes and back. It opens no
 files, starts no processes or threads: it writes to any object with
 ``write()`` and reads from any object with ``read()``/``readinto()``. File
-handling (temp files, fsync, gzip) lives in :mod:`snapsvc.durable` and
-:mod:`snapsvc.streams`.
+handling (temp files, fsync, gzip) lives in :mod:`snapsvc.files.durable` and
+:mod:`snapsvc.format.streams`.
 
 Byte layout (every integer little-endian; see ``shared/FORMAT.md``)::
 

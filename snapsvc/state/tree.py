@@ -29,7 +29,7 @@ metadata, within its size limit.
 
 The tree itself (containers, key types, tuple versus list, non-tensor
 leaves, which live object each part came from) goes in the metadata, packed
-by :mod:`snapsvc.protocol`; ``docs/state.md`` describes it.
+by :mod:`snapsvc.format.protocol`; ``docs/state.md`` describes it.
 """
 
 from __future__ import annotations

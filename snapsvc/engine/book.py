@@ -1,0 +1,135 @@
+"""The writer's books: pending writes, flags and counters, under one lock.
+
+``cond`` (one lock) guards every piece of shared state of a
+:class:`~snapsvc.engine.writer.SnapshotWriter`: the pending writes kept
+here, the slots, pools and plans (:mod:`.pools`), the broken/closing flags
+and the counters. Reports from the sidecar resolve pending writes here, on
+the reader thread; no lock is held while a handle's callbacks run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import BrokenWriterError, WriteFailedError
+from .handles import WriteHandle, WriteReport
+from .pools import Slot
+from .sidecar import describe
+
+__all__ = ["Book", "Pending"]
+
+log = logging.getLogger("snapsvc")
+
+
+@dataclass
+class Pending:
+    handle: WriteHandle
+    slot: Slot
+    started: float
+    stage_s: float
+    gen: int
+
+
+class Book:
+    """Shared state of one writer; see the module docstring for the lock."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.pending: dict[int, Pending] = {}
+        self.dirs: set[str] = set()
+        self.seq = 0
+        self.active = 0          # submits past the open check, not yet queued or failed
+        self.broken: BrokenWriterError | None = None
+        self.closing = False
+        self.closed = False
+        self.counts = {"submitted": 0, "written": 0, "skipped": 0, "failed": 0,
+                       "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0}
+        self.stalls: deque[float] = deque(maxlen=10_000)
+
+    def check_open(self) -> None:
+        """Raise if closing (cond held)."""
+        if self.closing or self.closed:
+            raise RuntimeError("this SnapshotWriter is closed; make a new one")
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None, what: str) -> None:
+        """Wait on ``cond`` for ``ready()``; the sidecar's death ends it too."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while not ready():
+                if self.broken is not None:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{what} after {timeout} s")
+                self.cond.wait(0.5 if left is None else min(left, 0.5))
+
+    def add(self, slot: Slot, path: str, started: float, stage_s: float, gen: int) -> int:
+        """Book a staged write (cond held); its seq."""
+        self.seq += 1
+        slot.seq = self.seq
+        self.pending[self.seq] = Pending(WriteHandle(self.seq, path), slot, started, stage_s, gen)
+        return self.seq
+
+    def skipped(self, path: str, started: float) -> WriteHandle:
+        """A handle already resolved as skipped (policy "skip" found no slot)."""
+        stall = time.monotonic() - started
+        with self.cond:
+            self.seq += 1
+            handle = WriteHandle(self.seq, path)
+            self.counts["skipped"] += 1
+            self.stalls.append(stall)
+        handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,
+                                              total_s=stall, seq=handle.seq))
+        return handle
+
+    def resolve(self, msg: dict[str, Any]) -> None:
+        """A DONE report from the sidecar (reader thread)."""
+        with self.cond:
+            p = self.pending.pop(msg["seq"], None)
+            if p is None:  # superseded under "latest": already resolved at submit
+                return
+            p.slot.seq = None
+            ok = msg["ok"]
+            skipped = ok and msg.get("superseded", False)
+            self.counts["skipped" if skipped else "written" if ok else "failed"] += 1
+            self.counts["bytes"] += msg.get("bytes", 0) if ok else 0
+            self.cond.notify_all()
+        if ok:
+            p.handle._future.set_result(WriteReport(
+                path=msg["path"], bytes=msg.get("bytes", 0), entries=msg.get("entries", 0),
+                skipped=skipped, stage_s=p.stage_s, queue_s=msg["queue_s"],
+                encode_s=msg.get("encode_s", 0.0), write_s=msg.get("write_s", 0.0),
+                fsync_s=msg.get("fsync_s", 0.0), total_s=time.monotonic() - p.started,
+                seq=msg["seq"]))
+        else:
+            p.handle._future.set_exception(WriteFailedError(
+                msg["errno"] or 0, f"{msg['error']} (writing checkpoint)", msg["filename"]))
+
+    def lose(self, gen: int, proc: Any, current: int) -> None:
+        """The sidecar of generation ``gen`` exited (reader thread): fail what it held."""
+        with self.cond:
+            failed = [p for p in self.pending.values() if p.gen == gen]
+            orderly = self.closing or self.closed  # any other exit is a death
+            err = BrokenWriterError(f"the writer sidecar {describe(proc)}; "
+                                    f"{len(failed)} pending write(s) lost to it")
+            if (not orderly or failed) and gen == current:
+                self.broken = err
+            for p in failed:
+                del self.pending[p.handle.seq]
+                if not p.slot.copying:  # else the copier frees it when done
+                    p.slot.seq = None
+            self.counts["broken"] += len(failed)
+            self.cond.notify_all()
+        if failed:
+            log.error("%s: %s", err, ", ".join(p.handle.path for p in failed))
+        for p in failed:
+            p.handle._future.set_exception(err)
+
+    def figures(self) -> tuple[dict[str, int], int, list[float]]:
+        """(counts, pending writes, sorted stalls); cond held."""
+        return dict(self.counts), len(self.pending), sorted(self.stalls)

@@ -1,0 +1,127 @@
+"""From a reserved slot to the sidecar: copy, book the write, send WRITE.
+
+::
+
+    stage(pool, sources)  -> broker.register + broker.acquire   (slots.py)
+      | copier.stage: copy sources -> slot                     (copier.py)
+      | book.add: seq, pending handle                          (book.py)
+      | blocking: send now;  overlap: the copier thread finishes the copy,
+      v           then sends                                    (send below)
+    send: claim[k] = seq under the claim lock, then {WRITE seq, k, path, body}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..errors import BrokenWriterError
+from ..format import protocol
+from .book import Book
+from .copier import Copier
+from .handles import WriteHandle
+from .pools import Plan, Pool, Slot
+from .sidecar import Sidecar
+from .slots import SlotBroker
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """Stages a submit into a slot and queues it for the sidecar."""
+
+    def __init__(self, book: Book, sidecar: Sidecar, broker: SlotBroker, copier: Copier,
+                 overlap: bool) -> None:
+        self.book = book
+        self.sidecar = sidecar
+        self.broker = broker
+        self.copier = copier
+        self.overlap = overlap
+
+    def stage(self, pool: Pool, sources: list[torch.Tensor], plan: Plan | None, path: str,
+              body: bytes, started: float, timeout: float | None) -> WriteHandle:
+        """Take a slot, copy into it, book the write and send it (or have the copier send it)."""
+        book = self.book
+        gen = self.broker.register(pool, timeout)
+        slot = self.broker.acquire(pool, timeout)
+        if slot is None:
+            return book.skipped(path, started)
+        try:
+            slot.copying = self.overlap
+            rest, copied = self.copier.stage(slot, sources, plan)
+        except BaseException:
+            self.broker.free(slot)
+            raise
+        stage_s = time.monotonic() - started
+        with book.cond:
+            book.counts["staged_bytes"] += copied
+            book.stalls.append(stage_s)
+            if book.broken is not None or self.sidecar.gen != gen or book.closed:
+                # died (or was restarted, or closed at its timeout) while we copied:
+                # nobody would resolve it, and the slot may hold half a copy
+                slot.seq = None
+                slot.copying = False
+                slot.held = None
+                book.cond.notify_all()
+                raise book.broken or BrokenWriterError(
+                    "the writer sidecar stopped while this snapshot was copied; submit again")
+            seq = book.add(slot, path, started, stage_s, gen)
+            handle = book.pending[seq].handle
+        msg = {"path": path, "body": body}
+        if rest is None:
+            self.send(slot, seq, msg)
+        else:
+            self.copier.later(self._finish_copy, rest, slot, seq, msg)
+        return handle
+
+    def send(self, slot: Slot, seq: int, msg: dict[str, Any]) -> None:
+        """The slot holds the snapshot: let the writer claim it, then tell it.
+
+        If the sidecar is gone (dead, or reaped by a close that timed out),
+        the handle fails here, unless the reader thread already failed it.
+        """
+        book = self.book
+        lock = self.sidecar.claim_lock
+        if lock is not None:
+            with lock:
+                slot.claim.fill_(seq)
+            if self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                               sent_at=time.monotonic(), **msg)):
+                return
+        with book.cond:
+            p = book.pending.pop(seq, None)
+            if p is not None:
+                slot.seq = None
+                book.counts["broken"] += 1
+                book.cond.notify_all()
+            err = book.broken or BrokenWriterError(
+                "the writer sidecar is gone (closed or dead); this snapshot was not written")
+        if p is not None:
+            p.handle._future.set_exception(err)
+
+    def _finish_copy(self, rest: Callable[[], None], slot: Slot, seq: int,
+                     msg: dict[str, Any]) -> None:
+        """Overlap mode, on the copier thread: complete the copy, then send."""
+        book = self.book
+        try:
+            rest()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's handle
+            with book.cond:
+                p = book.pending.pop(seq, None)
+                if p is not None:
+                    book.counts["failed"] += 1
+            self.broker.free(slot)
+            if p is not None:
+                p.handle._future.set_exception(e)
+            return
+        with book.cond:
+            slot.copying = False
+            p = book.pending.get(seq)
+            if p is None or p.gen != self.sidecar.gen:  # the writer died; handle failed
+                slot.seq = None
+                book.cond.notify_all()
+                return
+            book.cond.notify_all()
+        self.send(slot, seq, msg)

@@ -1,0 +1,161 @@
+"""Turning one ``submit()`` into a checked request, before any slot is taken.
+
+A :class:`Request` says what one submit copies: its source tensors, the key
+of its pool (names, shapes, dtypes), how to build the slot layout, and the
+state tree that travels in the metadata. Everything that can be refused is
+refused here (names, dtypes, values, the path, the metadata's size), by the
+same checks the sidecar's encoder and the reader run, so a submit that
+passes is one that can be written and read back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import EncodeError, PathError
+from ..files.checkpoint import layout_hash, persistent_buffers
+from ..files.durable import check_final_name
+from ..files.meta import meta_path
+from ..format import fdl, protocol
+from ..format.layout import Layout
+from ..state.resume import optimizer_state
+from ..state.tree import flatten
+from .pools import Plan, Pool, Slot, SlotPools, walk
+from .snapshot import ModelSnapshot
+
+__all__ = ["Request", "request", "find_pool", "check_epoch", "check_path", "pack_body"]
+
+_META_ROOM = 64 << 10   # what the sidecar adds to a submit's metadata: sizes, CRCs, names
+
+
+@dataclass
+class Request:
+    """What one submit copies. A model without an optimizer is only walked
+    here; its sources come from its cached plan, or are listed under the lock."""
+
+    sources: list[torch.Tensor] = field(default_factory=list)
+    key: tuple = ()
+    layout: Callable[[], Layout] | None = None
+    pin: bool = False
+    optim: dict[str, Any] | None = None
+    tree: Any = None
+    model: nn.Module | None = None
+    walked: list[torch.Tensor | None] | None = None
+
+
+def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
+             optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
+             state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
+             structural_hash: str | None = None) -> Request:
+    model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
+    # Refused whatever pool a same-shaped snapshot made before; the optimizer
+    # state is a file of its own. The sidecar's encoder runs the same check.
+    fdl.check_entries(model_pairs)
+    fdl.check_entries(list(optim))
+    pairs = [*model_pairs, *optim]
+    pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
+    key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
+           tuple((n, t.shape, t.dtype) for n, t in pairs))
+    h = layout_hash(params, buffers) if structural_hash is None else structural_hash
+    return Request([t for _, t in pairs], key,
+                   lambda: Layout.of(params, buffers, h, optim, state), pin)
+
+
+def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Request:
+    """The request for a model, a :class:`ModelSnapshot` or a state mapping."""
+    if isinstance(obj, ModelSnapshot):
+        if optimizer is not None:
+            raise TypeError("optimizer= needs the model itself, not a ModelSnapshot")
+        return _entries(list(obj.params.items()), list(obj.buffers.items()))
+    if isinstance(obj, nn.Module):
+        if optimizer is None:
+            return Request(model=obj, walked=walk(obj))
+        params, buffers = list(obj.named_parameters()), list(persistent_buffers(obj))
+        optim, info = optimizer_state(optimizer, {id(p): n for n, p in params})
+        req = _entries(params, buffers, optim)
+        req.optim = info
+        return req
+    if isinstance(obj, Mapping):
+        if optimizer is not None or extra is not None:
+            raise TypeError("with a state mapping, put optimizers and extra values "
+                            "inside the mapping")
+        flat = flatten(obj)
+        req = _entries(flat.params, flat.buffers, state=flat.rest,
+                       structural_hash=flat.structural_hash)
+        req.tree = flat.tree
+        return req
+    raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "
+                    f"not {type(obj).__name__}")
+
+
+def find_pool(pools: SlotPools, req: Request
+              ) -> tuple[Pool, list[Slot], list[torch.Tensor], Plan | None]:
+    """(pool, slots released as idle, copy sources, the model's cached plan
+    if they come from one) for ``req``; the writer's lock held.
+
+    A model's plan is looked up and made under that lock, so two threads
+    submitting the same model share one plan and one pool.
+    """
+    if req.model is None:
+        pool, gone = pools.pool(req.key, req.layout, req.pin)
+        return pool, gone, req.sources, None
+    plan = pools.plan(req.model, req.walked)
+    if plan is not None:
+        return plan.pool, pools.use(plan.pool), plan.sources, plan
+    full = _entries(list(req.model.named_parameters()), list(persistent_buffers(req.model)))
+    pool, gone = pools.pool(full.key, full.layout, full.pin)
+    plan = Plan.make(req.walked, full.sources, pool)
+    pools.remember(req.model, plan)
+    return pool, gone, full.sources, plan
+
+
+def check_epoch(epoch: int | None) -> int:
+    epoch = int(epoch or 0)
+    if not -(1 << 63) <= epoch < (1 << 63):
+        raise EncodeError(f"epoch {epoch} does not fit in int64")
+    return epoch
+
+
+def check_path(directory: str | None, path: str | os.PathLike[str]) -> str:
+    """The absolute checkpoint path, refused if it names a directory, is not
+    UTF-8 or derives a name (its ``.meta``) too long for the file system."""
+    raw = os.fspath(path)
+    name = os.path.basename(raw)
+    if not raw or raw.endswith(os.sep) or name in ("", ".", ".."):
+        raise PathError(f"checkpoint path {raw!r} names a directory; give a file name")
+    if directory is not None and not os.path.isabs(raw):
+        raw = os.path.join(directory, raw)
+    full = os.path.abspath(raw)
+    try:
+        full.encode("utf-8")  # it travels in a msgpack str; refuse it before taking a slot
+    except UnicodeEncodeError:
+        raise PathError(f"checkpoint path {full!r} is not valid UTF-8") from None
+    if os.path.isdir(full):
+        raise PathError(f"checkpoint path {full!r} is a directory; give a file name")
+    check_final_name(meta_path(full))  # the longest name derived from it
+    return full
+
+
+def pack_body(path: str, reserved: int, **values: Any) -> bytes:
+    """The WRITE message's metadata values, packed once, before a slot is taken.
+
+    Packed by the function the sidecar and the reader unpack with, and held
+    to the reader's size limit (less room for what the sidecar adds: sizes,
+    checksums and the buffer names), so a value accepted here is one that
+    can be written and read back. ``reserved``: bytes the sidecar adds.
+    """
+    try:
+        body = protocol.pack_value(values)
+    except (TypeError, ValueError, OverflowError) as e:  # checked already: a bug if it happens
+        raise EncodeError(f"{path}: the metadata cannot be packed ({e})") from None
+    room = protocol.MAX_METADATA - _META_ROOM - reserved
+    if len(body) > room:
+        raise EncodeError(f"{path}: metrics, extra values and state tree take {len(body)} "
+                          f"bytes of metadata; the limit is {room} (snapsvc.format.protocol."
+                          "MAX_METADATA): keep large data in tensors")
+    return body

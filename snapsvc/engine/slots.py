@@ -1,0 +1,108 @@
+"""Taking a slot for a submit: hand the pool to the sidecar, then pick a free slot.
+
+A pool's shared memory is registered with the current sidecar once per
+generation (all its slots at once, while the sidecar is likely idle: it
+maps them in queue order). A free slot is then reserved by the writer's
+policy when all are busy: ``"block"`` waits, ``"skip"`` gives up,
+``"latest"`` takes back the newest queued, unstarted snapshot's slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import BrokenWriterError
+from ..format import protocol
+from .book import Book, Pending
+from .handles import WriteReport
+from .pools import RESERVED, Slot
+from .sidecar import Sidecar
+from .worker import REVOKED
+
+__all__ = ["SlotBroker"]
+
+
+class SlotBroker:
+    """Registers pools with the sidecar and reserves their slots (see module docstring)."""
+
+    def __init__(self, book: Book, sidecar: Sidecar, policy: str) -> None:
+        self.book = book
+        self.sidecar = sidecar
+        self.policy = policy
+
+    def register(self, pool: list[Slot], timeout: float | None) -> int:
+        """Hand a pool's shared memory to the current sidecar; its generation."""
+        book, sidecar = self.book, self.sidecar
+        with book.cond:
+            gen = sidecar.gen
+            todo = [s for s in pool if s.gen != gen and s.registering != gen]
+            for slot in todo:
+                slot.registering = gen  # another thread submitting it now waits instead
+        for slot in todo:
+            if not sidecar.send(protocol.pack(protocol.SLOT, slot=slot.id,
+                                              layout=slot.layout.to_msg()), slot.flat):
+                sidecar.join_reader(5)  # it sees the death and sets broken
+                break
+        # Wait until the writer has mapped them: until then their fds live only
+        # in this process, and a submit must not depend on it staying alive.
+        book.wait_until(lambda: all(s.gen == gen for s in pool) or book.closed
+                        or sidecar.gen != gen, timeout,
+                        "the writer sidecar has not mapped the slots")
+        with book.cond:
+            if book.broken is not None:
+                raise book.broken
+            if sidecar.gen != gen or book.closed:
+                raise BrokenWriterError("the writer sidecar restarted or closed while this "
+                                        "submit handed it its slots; submit again")
+        return gen
+
+    def acquire(self, pool: list[Slot], timeout: float | None) -> Slot | None:
+        """A free slot of ``pool``, reserved for the caller, by the policy."""
+        book = self.book
+        deadline = None if timeout is None else time.monotonic() + timeout
+        revoked = None
+        with book.cond:
+            while True:
+                if book.broken is not None:
+                    raise book.broken
+                book.check_open()
+                slot = next((s for s in pool if s.seq is None and not s.copying), None)
+                if slot is None and self.policy == "latest":
+                    slot, revoked = self._revoke_newest(pool)
+                if slot is not None:
+                    slot.seq = RESERVED
+                    break
+                if self.policy == "skip":
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no free slot within {timeout} s: {len(pool)} "
+                                       "snapshots of this layout are still being written")
+                book.cond.wait(0.5 if left is None else min(left, 0.5))
+        if revoked is not None:
+            revoked.handle._future.set_result(WriteReport(
+                path=revoked.handle.path, skipped=True, stage_s=revoked.stage_s,
+                total_s=time.monotonic() - revoked.started, seq=revoked.handle.seq))
+        return slot
+
+    def _revoke_newest(self, pool: list[Slot]) -> tuple[Slot | None, Pending | None]:
+        """Take back the newest queued, unstarted snapshot's slot (cond held)."""
+        for slot in sorted((s for s in pool if s.seq), key=lambda s: s.seq, reverse=True):
+            if slot.copying:
+                continue
+            with self.sidecar.claim_lock:
+                if int(slot.claim.item()) != slot.seq:
+                    continue  # the writer already started it
+                slot.claim.fill_(REVOKED)
+            old = self.book.pending.pop(slot.seq)
+            self.book.counts["skipped"] += 1
+            return slot, old
+        return None, None
+
+    def free(self, slot: Slot) -> None:
+        """Give back a slot whose copy did not complete (its contents are unknown)."""
+        with self.book.cond:
+            slot.seq = None
+            slot.copying = False
+            slot.held = None
+            self.book.cond.notify_all()
