@@ -6,7 +6,9 @@ What each module holds::
     coord.py        rank/world lookup and small msgpack messages over a gloo group
     shards.py       DTensor pieces: what each rank stages (FSDP2, tensor parallel)
     pieces.py       reading pieces back: global tensors, ranged CRC-checked reads
-    writer.py       DistributedSnapshotWriter and its coordinator thread
+    handles.py      DistributedWriteHandle and its report
+    commit.py       Coordinator: this rank's thread, one exchange and commit per checkpoint
+    writer.py       DistributedSnapshotWriter: submit, start, close
     restore.py      restore_distributed: per rank, or resharded at any world size
     consolidate.py  a sharded checkpoint's whole model as one .fdl
 
