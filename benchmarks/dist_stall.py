@@ -60,6 +60,7 @@ from snapsvc.files.durable import fsync_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
+from rawcopy import RawCopy  # noqa: E402
 import snapsvc  # noqa: E402
 
 _LARGE = 16 << 20
@@ -183,7 +184,8 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
             nbytes = sum(p.numel() * p.element_size() for p in local)
             d = os.path.join(base, spec)
             methods = [Snapsvc(os.path.join(d, "snapsvc")), Dcp(os.path.join(d, "dcp"))]
-            rec = {m.name: {"stall_s": [], "durable_s": []} for m in methods}
+            rec = {m.name: {"stall_s": [], "durable_s": [], "raw_s": []} for m in methods}
+            raw = RawCopy()
             for rep in range(reps + 1):        # rep 0: warm-up, not recorded
                 for m in methods:
                     _touch(model)
@@ -191,11 +193,15 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                     t0 = time.perf_counter()
                     m.save(model)
                     stall = time.perf_counter() - t0
+                    # the floor: this rank's tensors of that checkpoint, copied right after
+                    raw.measure([v.to_local() if hasattr(v, "to_local") else v
+                                 for v in model.state_dict().values()])
                     m.wait_durable()
                     durable = time.perf_counter() - t0
                     if rep:
                         rec[m.name]["stall_s"].append(stall)
                         rec[m.name]["durable_s"].append(durable)
+                        rec[m.name]["raw_s"].append(raw.times[-1])
                     dist.barrier()             # every rank done before rank 0 prunes
                     m.prune(rank)
             for m in methods:
@@ -221,8 +227,8 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
               f"(after 1 warm-up), torch {torch.__version__}, {os.cpu_count()} CPUs"),
              "",
              ("| model | method | rank | stall p50 ms | stall p90 ms | stall max ms "
-              "| durable p50 s | durable max s |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| raw p50 ms | stall/raw | durable p50 s | durable max s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for spec in specs:
         for method in ("snapsvc", "dcp"):
             for res in results:
@@ -233,6 +239,8 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
                     f"| {label} | {method} | {res['rank']} "
                     f"| {statistics.median(r['stall_s']) * 1e3:.1f} "
                     f"| {pct(r['stall_s'], 0.9) * 1e3:.1f} | {max(r['stall_s']) * 1e3:.1f} "
+                    f"| {statistics.median(r['raw_s']) * 1e3:.1f} "
+                    f"| {statistics.median(a / b for a, b in zip(r['stall_s'], r['raw_s'])):.2f} "
                     f"| {statistics.median(r['durable_s']):.2f} | {max(r['durable_s']):.2f} |")
     return "\n".join(lines)
 

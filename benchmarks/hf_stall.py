@@ -10,7 +10,10 @@ fsync); SnapsvcTrainer returns once the state is copied into shared memory
 its checkpoint directory appears once the sidecar made it durable. ``drain``
 is the wait at the end of training for the last commits. The first snapsvc
 save also starts the sidecar and allocates the slots, so it is reported
-apart and left out of the median.
+apart and left out of the median. ``raw`` is ``torch._foreach_copy_`` of
+exactly the tensors of that checkpoint (model, optimizer, scheduler, RNG)
+into shared memory allocated once, timed right after each save in the same
+process (benchmarks/rawcopy.py).
 
     python benchmarks/hf_stall.py [--steps 20 --every 4 --out benchmarks/results/DATE-hf.txt]
 """
@@ -32,6 +35,9 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 from snapsvc.transformers import SnapsvcTrainer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rawcopy import RawCopy  # noqa: E402
+
 
 def timed(base: type) -> type:
     """``base`` with the time of each ``_save_checkpoint`` call recorded in ``stalls``."""
@@ -40,12 +46,15 @@ def timed(base: type) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.stalls: list[float] = []
+            self.raw = RawCopy()
             self.drain = 0.0
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             t0 = time.perf_counter()
             super()._save_checkpoint(model, trial)
             self.stalls.append(time.perf_counter() - t0)
+            self.raw.measure({"model": self.model, "optimizer": self.optimizer,
+                              "scheduler": self.lr_scheduler, "rng": torch.get_rng_state()})
             writer = getattr(self, "snapsvc_writer", None)
             if writer is not None and "wait_staged" not in vars(writer):
                 # overlap mode: the next optimizer step waits here for the copy; it
@@ -109,8 +118,8 @@ def main() -> None:
              f"{transformers.__version__}",
              f"model: BERT, {mib:.0f} MiB float32 parameters, AdamW; {a.steps} steps, "
              f"a checkpoint every {a.every} (save_total_limit=2)",
-             f"{'trainer':<16}{'saves':>6}{'stall p50 ms':>14}{'max ms':>9}{'first ms':>10}"
-             f"{'drain ms':>10}{'train s':>9}"]
+             f"{'trainer':<16}{'saves':>6}{'stall p50 ms':>14}{'p99 ms':>9}{'raw p50 ms':>12}"
+             f"{'stall/raw':>10}{'first ms':>10}{'drain ms':>10}{'train s':>9}"]
     medians = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         for name, cls, kwargs in (("Trainer", Trainer, {}),
@@ -118,11 +127,14 @@ def main() -> None:
                                   ("  overlap=True", SnapsvcTrainer,
                                    {"snapsvc_options": {"overlap": True}})):
             t = run(cls, os.path.join(tmp, str(len(medians))), a.steps, a.every, **kwargs)
-            steady = t.stalls[1:] if cls is SnapsvcTrainer else t.stalls
+            skip = 1 if cls is SnapsvcTrainer else 0
+            steady, raw = t.stalls[skip:], t.raw.times[skip:]
             medians[name] = statistics.median(steady)
+            ratio = statistics.median(s / c for s, c in zip(steady, raw))
+            p99 = sorted(steady)[min(len(steady) - 1, int(0.99 * len(steady)))]
             lines.append(f"{name:<16}{len(t.stalls):>6}{medians[name] * 1e3:>14.1f}"
-                         f"{max(steady) * 1e3:>9.1f}{t.stalls[0] * 1e3:>10.1f}"
-                         f"{t.drain * 1e3:>10.1f}{t.wall:>9.1f}")
+                         f"{p99 * 1e3:>9.1f}{statistics.median(raw) * 1e3:>12.1f}{ratio:>10.2f}"
+                         f"{t.stalls[0] * 1e3:>10.1f}{t.drain * 1e3:>10.1f}{t.wall:>9.1f}")
     for name in ("SnapsvcTrainer", "  overlap=True"):
         lines.append(f"stall ratio stock / {name.strip()} (medians): "
                      f"{medians['Trainer'] / medians[name]:.2f}x")

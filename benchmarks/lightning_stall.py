@@ -12,12 +12,16 @@ A LightningModule holds ``--mib`` MiB of float32 parameters (16 MiB tensors)
 trained by AdamW, so each checkpoint is about 3x that (weights + two moments).
 Each step waits ``--ms`` ms, as a host thread waits for its GPU, then AdamW
 updates every parameter. ``ModelCheckpoint(every_n_train_steps=--every,
-save_top_k=1)`` checkpoints; what is timed per checkpoint:
+monitor="loss", save_top_k=2)`` checkpoints (so ``best_k_models`` changes its
+keys at every save); what is timed per checkpoint:
 
   stall     Trainer.save_checkpoint as ModelCheckpoint calls it (Lightning's
             dump of the state, then CheckpointIO.save_checkpoint) plus the
             removal of the previous file: the time the loop is held
   io        CheckpointIO.save_checkpoint alone
+  raw       torch._foreach_copy_ of exactly the tensors of that checkpoint
+            into shared memory allocated once, timed right after each save in
+            the same process (benchmarks/rawcopy.py): the floor
 
 The first checkpoint is reported apart (it starts the sidecar, allocates
 slots, warms the page cache); medians are over the rest. ``fit`` is the whole
@@ -44,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rawcopy import RawCopy  # noqa: E402
 from stall import build_model  # noqa: E402
 
 IOS = ["default", "async", "snapsvc"]
@@ -74,7 +79,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         def training_step(self, batch: Any, _idx: int) -> torch.Tensor:
             time.sleep(args.ms / 1e3)  # the "GPU" computing: the CPU is free meanwhile
             # a gradient on every parameter, at the cost of one pass over them
-            return sum(p.sum() for p in self.net.parameters()) * 1e-9 + batch[0].sum() * 0
+            loss = sum(p.sum() for p in self.net.parameters()) * 1e-9 + batch[0].sum() * 0
+            self.log("loss", torch.rand(()).item())  # a monitored value that moves the top-k
+            return loss
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -83,14 +90,30 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     stall: list[float] = []
     inner: list[float] = []
     removal: list[float] = []
-    io.save_checkpoint = timed(io.save_checkpoint, inner)
+    raw = RawCopy()
+    last: list[Any] = [None]
+    save = timed(io.save_checkpoint, inner)
+
+    def save_and_keep(checkpoint: Any, *a: Any, **k: Any) -> Any:
+        last[0] = checkpoint
+        return save(checkpoint, *a, **k)
+
+    io.save_checkpoint = save_and_keep
     io.remove_checkpoint = timed(io.remove_checkpoint, removal)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=args.every, save_top_k=1)
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=args.every,
+                                            monitor="loss", save_top_k=2)
         trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, plugins=[io],
                              callbacks=[ckpt], logger=False, enable_progress_bar=False,
                              enable_model_summary=False)
-        trainer.save_checkpoint = timed(trainer.save_checkpoint, stall)
+        timed_save = timed(trainer.save_checkpoint, stall)
+
+        def save_then_raw(*a: Any, **k: Any) -> Any:
+            out = timed_save(*a, **k)
+            raw.measure(last[0])  # the same tensors, right after, outside the stall
+            return out
+
+        trainer.save_checkpoint = save_then_raw
         data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(args.steps, 1)))
         t0 = time.perf_counter()
         trainer.fit(Lit(), data)
@@ -99,7 +122,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     # ModelCheckpoint removes the previous file right after each save but the first
     stall = [s + r for s, r in zip(stall, [0.0] + removal)]
     return {"io": args.io, "stall": stall, "inner": inner, "removal": removal, "fit_s": fit_s,
-            "files": files}
+            "raw": raw.times, "files": files}
 
 
 def run_one(args: argparse.Namespace, io: str) -> dict[str, Any]:
@@ -118,18 +141,26 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     lines = [f"# lightning_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
              f"torch {torch.__version__}, {_pl().__name__} {_pl().__version__}",
              f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
-             f"of {args.ms:g} ms, a checkpoint every {args.every} steps (save_top_k=1)",
-             "io        checkpoints  stall p50 ms  stall max ms  io p50 ms  first stall ms   fit s  files"]
+             f"of {args.ms:g} ms, a checkpoint every {args.every} steps (monitor, save_top_k=2)",
+             "io        checkpoints  stall p50 ms  stall p99 ms  raw p50 ms  stall/raw  io p50 ms  "
+             "first stall ms   fit s  files"]
     for r in rows:
-        rest, inner = r["stall"][1:], r["inner"][1:]
+        rest, inner, raw = r["stall"][1:], r["inner"][1:], r["raw"][1:]
         r["p50"] = statistics.median(rest)
-        lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(max(rest)):>13} "
+        ratio = statistics.median(s / c for s, c in zip(rest, raw))
+        lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
+                     f"{ms(statistics.median(raw)):>11} {ratio:10.2f} "
                      f"{ms(statistics.median(inner)):>10} {ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  "
                      f"{' '.join(r['files'])}")
     by = {r["io"]: r["p50"] for r in rows}
     lines.append(f"stall p50 ratio: default/snapsvc {by['default'] / by['snapsvc']:.1f}x, "
                  f"async/snapsvc {by['async'] / by['snapsvc']:.1f}x")
     return "\n".join(lines)
+
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
 def _pl() -> Any:
