@@ -104,3 +104,20 @@ def test_a_script_file_runs_its_top_level_once(tmp_path, guard):
 def test_a_module_run_with_python_m_runs_its_top_level_once(tmp_path):
     (tmp_path / "train_mod.py").write_text(script(tmp_path, guard=False))
     check(run(["-m", "train_mod"], tmp_path), tmp_path)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_the_sidecar_answers_ready_before_it_imports_torch(tmp_path):
+    """What lets it start fast (a figure of benchmarks/stall.py, not asserted):
+    torch (seconds to import) comes after READY, off the training loop's wait."""
+    import functools
+
+    import torch
+
+    import hooks
+    record = tmp_path / "torch-at-start"
+    hook = functools.partial(hooks.note_torch, str(record))
+    with snapsvc.SnapshotWriter(tmp_path, fault_hook=hook) as w:
+        assert record.read_text() == "False"
+        w.submit(torch.nn.Linear(3, 2), "a.fdl", epoch=1).result(timeout=120)
+    assert snapsvc.load_snapshot(tmp_path / "a.fdl").epoch == 1
