@@ -121,3 +121,10 @@ def test_the_sidecar_answers_ready_before_it_imports_torch(tmp_path):
         assert record.read_text() == "False"
         w.submit(torch.nn.Linear(3, 2), "a.fdl", epoch=1).result(timeout=120)
     assert snapsvc.load_snapshot(tmp_path / "a.fdl").epoch == 1
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_start_method_is_still_accepted_and_says_it_is_ignored(tmp_path, method):
+    with pytest.warns(DeprecationWarning, match="start_method"):
+        w = snapsvc.SnapshotWriter(tmp_path, start_method=method)
+    w.close()
