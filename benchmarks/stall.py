@@ -45,6 +45,13 @@ A last worker measures the writer alone on ``--writer-model``: raw write +
 fsync against snapsvc's durable ``.fdl`` and ``.fdl.gz`` (isal, single
 member), and in-memory compression MB/s of isal and zlib level 6.
 
+Sidecar start: ``SnapshotWriter.start()`` until the sidecar's READY, median
+of ``--start-reps``, in a worker that imported nothing more and in one whose
+``__main__`` first imported ``--start-import`` (as a training script's top
+level would; the sidecar must not pay for it), beside a bare
+``python -c "import torch"`` (what the sidecar would cost if it imported
+torch before READY).
+
     python benchmarks/stall.py                      # the default models, every method
     python benchmarks/stall.py --models 64M small --reps 20 --json out.json --plot out.png
     python benchmarks/stall.py --device cuda --dtype bfloat16 --models 1G   # on a GPU
@@ -320,6 +327,8 @@ def med(xs: list[float]) -> float:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.method == "writer":
         return writer_worker(args)
+    if args.method == "start":
+        return start_worker(args)
     row: dict[str, Any] = {"model": args.model, "method": args.method}
     try:
         method = make_method(args.method)
@@ -468,6 +477,45 @@ def writer_worker(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "method": "writer", "MiB": nbytes / 2**20, "writer": rows}
 
 
+def start_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Sidecar start, ``--start-reps`` times: start() until READY, then close.
+    ``--model`` names a module this worker's ``__main__`` imports first ("bare": none)."""
+    row: dict[str, Any] = {"model": args.model, "method": "start"}
+    if args.model != "bare":
+        try:
+            importlib.import_module(args.model)
+        except ImportError as e:
+            return {**row, "skipped": str(e)}
+    times = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="snapsvc-start-") as d:
+        for _ in range(args.start_reps):
+            writer = snapsvc.SnapshotWriter(d)
+            t0 = time.perf_counter()
+            writer.start()
+            times.append(time.perf_counter() - t0)
+            writer.close()
+    return {**row, "start_s": med(times)}
+
+
+def import_torch_s(reps: int) -> float:
+    """Median wall time of a fresh ``python -c "import torch"``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - t0)
+    return med(times)
+
+
+def start_line(starts: list[dict], torch_s: float) -> str:
+    parts = [f"{r['start_s']:.2f} s" + ("" if r["model"] == "bare" else
+                                        f" with {r['model']} imported in __main__")
+             if "start_s" in r else f"{r['model']}: {r.get('skipped') or r.get('error')}"
+             for r in starts]
+    return (f"sidecar start (start() to READY, median): {'; '.join(parts)}; "
+            f"a bare python -c 'import torch': {torch_s:.2f} s")
+
+
 # -- the parent: runs the workers, prints, writes JSON and a plot ------------------------
 def run_one(args: argparse.Namespace, model: str, method: str, work: int) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
@@ -475,7 +523,8 @@ def run_one(args: argparse.Namespace, model: str, method: str, work: int) -> dic
            "--budget-s", str(args.budget_s), "--min-reps", str(args.min_reps), "--writer-reps", str(args.writer_reps),
            "--compute", args.compute, "--compute-ms", str(args.compute_ms),
            "--steps", str(args.steps), "--every", str(args.every), "--device", args.device,
-           "--dtype", args.dtype] + (["--dir", args.dir] if args.dir else [])
+           "--dtype", args.dtype, "--start-reps", str(args.start_reps)] \
+        + (["--dir", args.dir] if args.dir else [])
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
@@ -612,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--writer-model", default="256M",
                     help="model of the writer-alone measurement ('none' skips it)")
     ap.add_argument("--writer-reps", type=int, default=3)
+    ap.add_argument("--start-reps", type=int, default=3,
+                    help="sidecar starts timed per worker (0 skips the measurement)")
+    ap.add_argument("--start-import", default="transformers",
+                    help="what the second start worker's __main__ imports first")
     ap.add_argument("--dir", default=None, help="where files go (default: a temp dir here)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
@@ -649,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
     writer = None
     if args.writer_model != "none":
         writer = run_one(args, args.writer_model, "writer", work)
+    starts, torch_s = [], None
+    if args.start_reps:
+        starts = [run_one(args, m, "start", work) for m in ("bare", args.start_import)]
+        torch_s = import_torch_s(args.start_reps)
     print()
     print(table(rows))
     print("  ms; x raw = stall p50 / raw copy p50 (same worker, alternating); durable = submit to "
@@ -658,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     if writer is not None:
         print()
         print(writer_table(writer))
+    if starts:
+        print(start_line(starts, torch_s))
     print("targets:")
     print("\n".join(targets(rows, args.models)))
     print(f"# load average at end {os.getloadavg()[0]:.2f}; run took "
@@ -666,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"date": date, "machine": machine, "load_avg_end": os.getloadavg()[0],
                        "args": {k: v for k, v in vars(args).items() if k != "worker"},
-                       "rows": rows, "writer": writer}, f, indent=1)
+                       "rows": rows, "writer": writer, "start": starts,
+                       "import_torch_s": torch_s}, f, indent=1)
     if args.plot:
         print(plot(rows, args.plot))
     return 0

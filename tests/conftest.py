@@ -45,6 +45,22 @@ def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+def sidecar_children() -> list[int]:
+    """Pids of this process's children that run a snapsvc writer sidecar."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (ValueError, OSError):  # not a process, or gone meanwhile
+            continue
+        if ppid == os.getpid() and b"from snapsvc.engine.worker import boot" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
 @pytest.fixture(scope="session")
 def _warm_sidecar(tmp_path_factory):
     """Start and close one writer, so process-wide helpers that live for the

@@ -1,4 +1,4 @@
-"""Fault hooks run inside the writer sidecar (importable, so they pickle under spawn).
+"""Fault hooks run inside the writer sidecar (importable, so they unpickle there: it never imports __main__).
 
 The writer calls ``hook(stage, path)`` at "start" and at the durable-write
 stages "open", "write", "fsync" and "rename" (see snapsvc.files.durable). Bind the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 
 FLAG = "FAULT"
@@ -60,3 +61,10 @@ def drop_root(stage: str, path: str) -> None:
     """Act as user nobody while armed, so directory permissions apply (EACCES)."""
     if stage == "open":
         os.seteuid(65534 if _armed(path) else 0)
+
+
+def note_torch(record: str, stage: str, path: str) -> None:
+    """At "start" (before READY), write to ``record`` whether the sidecar has imported torch."""
+    if stage == "start":
+        with open(record, "w") as f:
+            f.write(str("torch" in sys.modules))

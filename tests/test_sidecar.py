@@ -17,7 +17,7 @@ import snapsvc.files.checkpoint
 import snapsvc.engine.snapshot
 import snapsvc.engine.staging
 from snapsvc.files.meta import meta_path, read_meta
-from conftest import Net
+from conftest import Net, sidecar_children
 import hooks
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
@@ -156,11 +156,11 @@ def test_slot_reuse_allocates_nothing_after_warmup(tmp_path, net):
     assert before[3] == 2 * layout.nbytes  # two slots, nothing per snapshot
 
 
-def test_sidecar_is_spawned_at_lower_priority(tmp_path, net):
+def test_sidecar_is_a_fresh_interpreter_at_lower_priority(tmp_path, net):
+    """Not a multiprocessing child (which imports __main__): see test_sidecar_start.py."""
     with snapsvc.SnapshotWriter(tmp_path, nice=7) as w:
-        cmdline = open(f"/proc/{w.pid}/cmdline", "rb").read().split(b"\0")
-        assert any(b"multiprocessing.spawn" in part for part in cmdline)
-        assert w._sidecar.proc.daemon
+        assert sidecar_children() == [w.pid]
+        assert b"multiprocessing" not in open(f"/proc/{w.pid}/cmdline", "rb").read()
         assert os.getpriority(os.PRIO_PROCESS, w.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
 
 

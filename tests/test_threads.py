@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import signal
 import threading
@@ -15,6 +14,7 @@ from torch import nn
 
 import snapsvc
 import hooks
+from conftest import sidecar_children
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
 
@@ -65,8 +65,7 @@ def test_two_threads_first_submit_unstarted_start_one_sidecar(tmp_path):
         results = run_threads(4, first)
         assert not any(isinstance(r, BaseException) for r in results), results
         assert len({pid for pid, _ in results}) == 1
-        writers = [p for p in multiprocessing.active_children() if p.name == "snapsvc-writer"]
-        assert len(writers) == 1
+        assert sidecar_children() == [w.pid]
         assert w.stats()["restarts"] == 0 and w.stats()["written"] == 4
     finally:
         w.close()

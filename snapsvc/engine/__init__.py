@@ -2,18 +2,19 @@
 
 Data flow between the two processes::
 
-    trainer process                                   writer process (worker.py)
-    ---------------                                   --------------------------
+    trainer process                                   writer process (worker.py, writes.py)
+    ---------------                                   -------------------------------------
     submit(model or state, path)          [writer.py]
       | plan.request: check values, path, metadata body; the pool's key
       | plan.find_pool: the layout's pool and, for a model, its cached copy plan
       | slots.SlotBroker: register the pool with the sidecar; reserve slot k
       |   (policy block/skip/latest)
       | copier: copy tensors ---> slot k ========= one shared-memory mapping per slot ======
-      |   (a model's cached plan: one torch.cat    (sent once: {SLOT k, layout} + handle;
-      |    per dtype group of the slot)             the writer builds its fdl.Encoder)
+      |   (a model's cached plan: one torch.cat    (sent once: {SLOT k, layout} + its fd;
+      |    per dtype group of the slot)             the writer maps it, and builds its
+      |                                             fdl.Encoder at the first write)
       | book.add: seq, pending handle; claim[k] = seq
-      | dispatch: req pipe {WRITE seq, k, path, body} --->  claim k (or skip if superseded)
+      | dispatch: req socket {WRITE seq, k, path, body} --> claim k (or skip if superseded)
       v return WriteHandle                         encode .fdl(.gz) from slot k
                                                    temp file -> fsync -> rename -> .meta
     reader thread (sidecar.py) <--- rep pipe: {DONE seq, ok | error, bytes, timings}
@@ -29,8 +30,9 @@ Who owns what::
     dispatch.py  Dispatcher: copy into the slot, book it, send WRITE
     pools.py     SlotPools: slots per layout, copy plans, memory budget
     copier.py    Copier: blocking copy, overlap thread, CUDA stream           its own lock
-    sidecar.py   Sidecar: the process, pipes, handshake, reader thread        _send_lock
-    worker.py    writer_main: the sidecar process's loop
+    sidecar.py   Sidecar: the interpreter, its channels, handshake, reader    _send_lock
+    worker.py    the sidecar process's loop, without torch: READY, slots, claims
+    writes.py    the sidecar's torch half: encoders, durable writes, keep_last
     exits.py     SIGTERM and atexit: drain what is queued, bounded
 
 Locking. ``Book.cond`` (one lock) guards every piece of shared state:
@@ -42,8 +44,8 @@ handle's callbacks run. Every wait ends on close, on the sidecar's death, or
 at a timeout. All public methods are safe to call from any thread.
 
 Messages are msgpack written synchronously with ``send_bytes``, so a submit
-that returned has its message in the kernel's pipe buffer: a SIGKILL of the
-trainer cannot lose it, and the writer drains the pipe before it exits.
+that returned has its message in the kernel's socket buffer: a SIGKILL of the
+trainer cannot lose it, and the writer drains the socket before it exits.
 Reports come back in submit order because the writer works in order.
 
 Imports: ``state``, ``files``, ``format`` and ``errors``; nothing above it.

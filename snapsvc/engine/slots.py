@@ -17,6 +17,7 @@ from .book import Book, Pending
 from .handles import WriteReport
 from .pools import RESERVED, Slot
 from .sidecar import Sidecar
+from .staging import slot_fd
 from .worker import REVOKED
 
 __all__ = ["SlotBroker"]
@@ -40,7 +41,7 @@ class SlotBroker:
                 slot.registering = gen  # another thread submitting it now waits instead
         for slot in todo:
             if not sidecar.send(protocol.pack(protocol.SLOT, slot=slot.id,
-                                              layout=slot.layout.to_msg()), slot.flat):
+                                              layout=slot.layout.to_msg()), slot_fd(slot.flat)):
                 sidecar.join_reader(5)  # it sees the death and sets broken
                 break
         # Wait until the writer has mapped them: until then their fds live only

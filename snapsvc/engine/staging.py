@@ -10,25 +10,23 @@ of the entries is independent of where they sit in the slot. Slots are
 allocated once per layout and reused, so memory stays at ``slots x snapshot
 bytes``.
 
-With torch's default ``file_descriptor`` sharing strategy the segment is
-unlinked from /dev/shm as soon as it is mapped: nothing is left there even if
-both processes are SIGKILLed.
+Each slot's memory is a file descriptor (torch's ``file_descriptor``
+allocation, whatever the sharing strategy), unlinked from /dev/shm as soon as
+it is mapped: nothing is left there even if both processes are SIGKILLed.
+The sidecar maps that fd (:func:`slot_fd`, sent over a Unix socket).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import threading
-from multiprocessing import reduction
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
 from ..format.layout import Layout
 
-__all__ = ["allocate", "claim_word", "views", "group_views", "Step", "copy_groups", "copy_into",
-           "unpin", "ClaimLock"]
+__all__ = ["allocate", "slot_fd", "claim_word", "views", "group_views", "Step", "copy_groups",
+           "copy_into", "unpin"]
 
 
 def _check_shm_room(nbytes: int) -> None:
@@ -49,7 +47,7 @@ def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
     _check_shm_room(layout.nbytes)
     # Allocate straight in shared memory: share_memory_() would copy a private
     # buffer over, doubling peak memory for a large model. Fresh pages are zero.
-    storage = torch.UntypedStorage._new_shared(layout.nbytes)
+    storage = torch.UntypedStorage._new_using_fd_cpu(layout.nbytes)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     if pin:
         # Register the shared pages with CUDA so device-to-host copies are DMA.
@@ -59,51 +57,15 @@ def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
     return flat
 
 
+def slot_fd(flat: torch.Tensor) -> int:
+    """The file descriptor of a slot's shared memory (the slot owns it: never close it)."""
+    fd, _ = flat.untyped_storage()._share_fd_cpu_()
+    return fd
+
+
 def claim_word(flat: torch.Tensor) -> torch.Tensor:
     """The slot's claim word, an int64 view into its shared header."""
     return flat[:8].view(torch.int64)
-
-
-class ClaimLock:
-    """The lock guarding claim words, between the trainer and its sidecar.
-
-    A POSIX record lock (``fcntl.lockf``) on an anonymous ``memfd`` both
-    processes hold: the kernel drops it when its holder dies, so a SIGKILL
-    can never leave the other side waiting, and unlike a named semaphore it
-    leaves nothing in /dev/shm. Record locks belong to a process, not a
-    thread, so a thread lock orders the threads of one process first.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._threads = threading.Lock()
-
-    @classmethod
-    def create(cls) -> "ClaimLock":
-        return cls(os.memfd_create("snapsvc-claims", os.MFD_CLOEXEC))
-
-    def __enter__(self) -> None:
-        self._threads.acquire()
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        self._threads.release()
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def __reduce__(self) -> tuple:
-        # Pickled as Process args under spawn, DupFd makes the child inherit the fd.
-        return _rebuild_claim_lock, (reduction.DupFd(self.fd),)
-
-
-def _rebuild_claim_lock(dupfd: Any) -> ClaimLock:
-    return ClaimLock(dupfd.detach())
 
 
 def unpin(flat: torch.Tensor) -> None:

@@ -1,14 +1,21 @@
-"""The writer sidecar's loop: a module-level function run in its own process.
+"""The writer sidecar's loop, in its own interpreter (see :mod:`snapsvc.engine.sidecar`).
 
-It reads control messages from the trainer's pipe, encodes each snapshot
+It reads control messages from the trainer's socket, encodes each snapshot
 straight out of its shared-memory slot into a durable ``.fdl`` file plus
-metadata, and reports back in submit order. See :mod:`snapsvc.engine.writer` for
+metadata, and reports back in submit order. See :mod:`snapsvc.engine` for
 the whole data flow.
+
+Fast start. This module does not import torch, nor does the interpreter's
+boot run ``snapsvc/__init__`` (which does) before READY: the sidecar answers
+READY and maps the slots it is handed within a bare interpreter's start,
+while torch and :mod:`snapsvc.engine.writes` (the encoders and the durable write)
+are imported on a thread. Only the first WRITE waits for that import, in the
+sidecar, not in the training loop.
 
 Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
 queued but not yet started. Each slot's header holds an int64 claim word,
 read and written only under a lock shared by both processes
-(:class:`snapsvc.engine.staging.ClaimLock`, which the kernel releases if its holder dies):
+(:class:`ClaimLock`, which the kernel releases if its holder dies):
 
 - the trainer sets it to the seq of the WRITE it is about to send;
 - the writer, on that WRITE, sets it to ``STARTED`` if it still holds that
@@ -23,58 +30,86 @@ enough to finish every snapshot already handed to it.
 
 from __future__ import annotations
 
-import errno as errno_mod
+import fcntl
+import importlib
 import logging
+import mmap
 import os
-import re
+import pickle
 import signal
+import socket
+import struct
+import sys
+import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
-import torch
+from ..files.durable import set_fault_hook, unlink_quietly
+from ..format import protocol
 
-from ..files.durable import set_aside, set_fault_hook, unlink_quietly
-from ..files.meta import Meta, meta_path, optim_path, write_with_meta
-from ..format import fdl, protocol
-from ..format.layout import BUFFER, Layout, OPTIM
-from . import staging
-
-__all__ = ["STARTED", "REVOKED", "writer_main"]
+__all__ = ["STARTED", "REVOKED", "ClaimLock", "writer_main", "boot"]
 
 log = logging.getLogger("snapsvc.writer")
 
 STARTED = -1
 REVOKED = -2
 _PARENT_POLL_S = 0.5
-_DIGITS = re.compile(r"\d+")
+_CLAIM = struct.Struct("=q")  # the slot's first int64, as the trainer's tensor view reads it
+
+
+class ClaimLock:
+    """The lock guarding claim words, between the trainer and its sidecar.
+
+    A POSIX record lock (``fcntl.lockf``) on an anonymous ``memfd`` both
+    processes hold: the kernel drops it when its holder dies, so a SIGKILL
+    can never leave the other side waiting, and unlike a named semaphore it
+    leaves nothing in /dev/shm. Record locks belong to a process, not a
+    thread, so a thread lock orders the threads of one process first.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._threads = threading.Lock()
+
+    @classmethod
+    def create(cls) -> "ClaimLock":
+        return cls(os.memfd_create("snapsvc-claims", os.MFD_CLOEXEC))
+
+    def __enter__(self) -> None:
+        self._threads.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        self._threads.release()
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class _Slot:
-    def __init__(self, layout: Layout, flat: torch.Tensor) -> None:
+    """A slot as the sidecar holds it: its mapping, and its encoders once torch is in."""
+
+    def __init__(self, memory: mmap.mmap, layout: dict[str, Any]) -> None:
+        self.memory = memory
         self.layout = layout
-        self.flat = flat
-        self.claim = staging.claim_word(flat)
-        views = staging.views(flat, layout)
-        # Headers packed and entries checked once, here: a write only moves data.
-        hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
-        self.encoder = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                    if s.kind != OPTIM], structural_hash=hash_)
-        self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                  if s.kind == OPTIM])
-        self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
+        self.encoders: Any = None  # snapsvc.engine.writes.Encoders, or why it cannot be written
 
 
 class _Sidecar:
-    def __init__(self, req: Connection, rep: Connection, lock: staging.ClaimLock,
-                 options: dict[str, Any]) -> None:
+    def __init__(self, req: Connection, req_sock: socket.socket, rep: Connection,
+                 lock: ClaimLock, files: Callable[[], Any]) -> None:
         self.req = req
+        self.req_sock = req_sock  # the socket under ``req``: slots' fds arrive on it
         self.rep = rep
         self.lock = lock
-        self.keep_last: int | None = options.get("keep_last")
-        self.compress_level: int | None = options.get("compress_level")
-        self.slots: dict[int, _Slot | str] = {}  # a str: why that slot cannot be written
-        self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
+        self.files = files  # -> snapsvc.engine.writes.Files, once imported
+        self.slots: dict[int, _Slot] = {}
         self.parent = os.getppid()
         self.reports_lost = False
 
@@ -89,76 +124,38 @@ class _Sidecar:
 
     def claim(self, slot: _Slot, seq: int) -> bool:
         with self.lock:
-            if int(slot.claim.item()) != seq:
+            if _CLAIM.unpack_from(slot.memory)[0] != seq:
                 return False
-            slot.claim.fill_(STARTED)
+            _CLAIM.pack_into(slot.memory, 0, STARTED)
             return True
-
-    def prune(self, path: str, trash: list[str]) -> list[str]:
-        """keep_last: drop our oldest files of ``path``'s series once it is durable.
-
-        A series is the names in one directory that differ only in their
-        digits (``step100.fdl`` and ``step200.fdl``, not ``best.fdl``), so a
-        ``best.fdl`` saved through the same writer is never rotated away.
-        Each file loses its name now; its data is freed after the report
-        (see :func:`~snapsvc.files.durable.set_aside`), through ``trash``.
-        """
-        series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
-        mine = self.written.setdefault(series, [])
-        if path in mine:
-            mine.remove(path)
-        mine.append(path)
-        removed = []
-        while self.keep_last is not None and len(mine) > self.keep_last:
-            old = mine.pop(0)
-            for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
-                aside = set_aside(p)
-                try:
-                    os.unlink(p)
-                    removed.append(p)
-                except FileNotFoundError:
-                    pass
-                if aside is not None:
-                    trash.append(aside)
-        return removed
 
     def write(self, msg: dict[str, Any], trash: list[str]) -> dict[str, Any]:
         """Write one snapshot; its report. Files replaced or rotated away go
         to ``trash``, to be freed once the report is out."""
+        files = self.files()  # the first write waits for the import: part of its queue time
         started = time.monotonic()
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         slot = self.slots.get(msg["slot"])
-        if not isinstance(slot, _Slot):  # a trainer bug, reported rather than fatal to every later write
-            why = slot or "was never registered with this writer"
+        if slot is not None and slot.encoders is None:
+            slot.encoders = files.encoders(slot.layout, slot.memory)
+        why = "was never registered with this writer" if slot is None else slot.encoders
+        if isinstance(why, str):  # a trainer bug, reported rather than fatal to every later write
             return {**base, "ok": False, "errno": None, "filename": path,
                     "error": f"slot {msg['slot']} {why}"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
-        body = protocol.unpack_value(msg["body"])  # packed and checked at submit
-        meta = Meta(buffers=slot.buffers, epoch=body["epoch"], metrics=body["metrics"],
-                    structural_hash=slot.layout.structural_hash or None,
-                    extra=body.get("extra"), optimizer=body.get("optim"),
-                    state=body.get("state"))
-        optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
+        return files.write(slot.encoders, msg, base, trash)
+
+    def recv_slot(self) -> mmap.mmap:
+        """Map the shared memory whose fd follows a SLOT message (``SCM_RIGHTS``)."""
+        _, fds, _, _ = socket.recv_fds(self.req_sock, 1, 1)
+        if len(fds) != 1:  # the stream is out of step: nothing after this can be trusted
+            raise OSError(f"a slot's file descriptor did not arrive ({len(fds)} came)")
         try:
-            stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,
-                                    optim=optim, trash=trash)
-            removed = self.prune(path, trash)
-        except OSError as e:
-            log.error("writing %s failed: %s", path, e)
-            detail = e.strerror or str(e)
-            if e.filename and e.filename != path:  # e.g. the temp file beside it
-                detail += f" (at {e.filename})"
-            return {**base, "ok": False, "errno": e.errno or errno_mod.EIO, "error": detail,
-                    "filename": path}
-        except Exception as e:  # reported to the trainer, never lost
-            log.exception("writing %s failed", path)
-            return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
-                    "filename": path}
-        return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
-                "entries": slot.encoder.count, "encode_s": stats.encode_s,
-                "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}
+            return mmap.mmap(fds[0], 0)  # all of it; the encoders check the layout's offsets
+        finally:
+            os.close(fds[0])  # the mapping keeps the memory
 
     def handle(self, msg: dict[str, Any]) -> bool:
         """Act on one message; False means stop."""
@@ -171,12 +168,8 @@ class _Sidecar:
             except OSError as e:  # a leftover temp name; the next start removes it
                 log.warning("could not remove an old checkpoint's data: %s", e)
         elif op == protocol.SLOT:
-            flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
-            try:
-                self.slots[msg["slot"]] = _Slot(Layout.from_msg(msg["layout"]), flat)
-            except Exception as e:  # a trainer bug: fail this slot's writes, keep serving
-                log.exception("slot %s cannot be written", msg["slot"])
-                self.slots[msg["slot"]] = f"its layout cannot be written: {type(e).__name__}: {e}"
+            # Its fd is the next thing on the socket: read it before anything can fail.
+            self.slots[msg["slot"]] = _Slot(self.recv_slot(), msg["layout"])
             self.report(protocol.SLOT_OK, slot=msg["slot"])
         elif op == protocol.FREE:
             for sid in msg["slots"]:
@@ -204,7 +197,7 @@ class _Sidecar:
                 return
 
     def drain(self) -> None:
-        """After the parent died: handle every message already in the pipe."""
+        """After the parent died: handle every message already in the socket."""
         while self.req.poll(0):
             try:
                 if not self.handle(protocol.unpack(self.req.recv_bytes())):
@@ -213,9 +206,50 @@ class _Sidecar:
                 return
 
 
-def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
-                options: dict[str, Any]) -> None:
-    """Entry point of the writer process."""
+class _Later:
+    """Imports on a thread, from READY on; :meth:`get` waits for it (or raises its error)."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="snapsvc-import", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._load()
+        except BaseException as e:  # noqa: BLE001 - raised by get() on the loop's thread
+            self._error = e
+
+    def get(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def boot(init_package: Callable[[], None]) -> None:
+    """Entry point of the sidecar's interpreter (see :mod:`snapsvc.engine.sidecar`).
+
+    Its arguments are the file descriptors it inherited: request socket,
+    report pipe, sentinel and claim lock. Each is made non-inheritable, so
+    nothing the writer might start keeps them (and the sentinel) open. The
+    first message holds the pickled options. ``init_package`` runs
+    ``snapsvc/__init__`` (which imports torch), left out of the start.
+    """
+    req_fd, rep_fd, sentinel_fd, lock_fd = (int(a) for a in sys.argv[1:5])
+    for fd in (req_fd, rep_fd, sentinel_fd, lock_fd):
+        os.set_inheritable(fd, False)
+    req = Connection(os.dup(req_fd))
+    options = pickle.loads(req.recv_bytes())
+    writer_main(req, socket.socket(fileno=req_fd), Connection(rep_fd, readable=False),
+                ClaimLock(lock_fd), options, init_package)
+
+
+def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock: ClaimLock,
+                options: dict[str, Any], init_package: Callable[[], None]) -> None:
+    """The writer's loop, in its own process: the sidecar's ``boot`` calls it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -225,5 +259,10 @@ def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
     set_fault_hook(hook)
     if hook is not None:
         hook("start", "")
-    torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
-    _Sidecar(req, rep, lock, options).run()
+
+    def files() -> Any:
+        init_package()
+        writes = importlib.import_module(".writes", __package__)
+        return writes.Files(options.get("keep_last"), options.get("compress_level"))
+
+    _Sidecar(req, req_sock, rep, lock, _Later(files).get).run()

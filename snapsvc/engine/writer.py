@@ -10,10 +10,10 @@ import logging
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.multiprocessing as tmp
 from torch import nn
 
 from ..files.durable import remove_stale_temps
@@ -66,14 +66,18 @@ class SnapshotWriter:
     logs any such miss (see :mod:`snapsvc.engine.copier`). ``stats()["staged_bytes"]``
     counts what was copied. ``nice``: added to the sidecar's nice value. ``fault_hook``: for
     tests, a picklable ``hook(stage, path)`` run inside the sidecar (see
-    :func:`snapsvc.files.durable.set_fault_hook`).
+    :func:`snapsvc.files.durable.set_fault_hook`); it must be importable
+    from a module, as the sidecar never imports ``__main__``.
+    ``start_method``: deprecated and ignored (a ``DeprecationWarning``): the
+    sidecar is always a fresh interpreter (:mod:`snapsvc.engine.sidecar`),
+    never a ``multiprocessing`` child, whatever was asked.
 
     Every public method may be called from any thread.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,
                  policy: str = "block", keep_last: int | None = None,
-                 compress_level: int | None = None, start_method: str = "spawn",
+                 compress_level: int | None = None, start_method: str | None = None,
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
                  overlap: bool = False, incremental: bool | str = False, nice: int = 10,
                  max_slot_bytes: int | None = None,
@@ -103,8 +107,11 @@ class SnapshotWriter:
                    "fault_hook": fault_hook}
         self._book = Book()
         self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
-        self._sidecar = Sidecar(tmp.get_context(start_method), options, self._on_report,
-                                self._on_exit)
+        if start_method is not None:
+            warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
+                          "is always a fresh interpreter that never imports __main__",
+                          DeprecationWarning, stacklevel=2)
+        self._sidecar = Sidecar(options, self._on_report, self._on_exit)
         self._pools = SlotPools(slots, max_slot_bytes)
         self._copier = Copier(overlap, incremental)
         self._broker = SlotBroker(self._book, self._sidecar, policy)

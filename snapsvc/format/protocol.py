@@ -8,14 +8,16 @@ reader use, so a value the trainer accepts is one they accept: int map keys
 (optimizer state dicts have them), tuples, bytes and non-finite floats
 included. Nothing is pickled.
 
-Every message is one ``send_bytes`` on a ``multiprocessing`` pipe, written
-synchronously by the sending thread: unlike ``multiprocessing.Queue`` there is
-no feeder thread whose buffer a SIGKILL could lose. The only pickled payload
-is a slot's shared-memory tensor, sent once right after its ``SLOT`` message.
+Every message is one ``send_bytes`` of a ``multiprocessing`` connection (a
+Unix socket to the writer, a pipe back), written synchronously by the
+sending thread: unlike ``multiprocessing.Queue`` there is no feeder thread
+whose buffer a SIGKILL could lose. The only pickled payload is the writer's
+options (its ``fault_hook``), its first message; a slot's shared memory
+follows its ``SLOT`` message as a file descriptor (``SCM_RIGHTS``).
 
 trainer -> writer::
 
-    {op: SLOT,  slot, layout}            then one pickled tensor (the storage)
+    {op: SLOT,  slot, layout}            then the slot's fd, on one byte (SCM_RIGHTS)
     {op: WRITE, seq, slot, path, sent_at, body}   body: pack_value({epoch, metrics,
                                                   extra, optim, state}), packed at submit
     {op: FREE,  slots}                   unmap these slots (their pools were released)

@@ -1,0 +1,122 @@
+"""The sidecar's torch half: a slot's encoders and one snapshot's durable write.
+
+:mod:`snapsvc.engine.worker` runs the sidecar's loop without torch, so the
+sidecar answers READY and maps slots while this module (and torch) is still
+being imported; its first write waits for the import.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import mmap
+import os
+import re
+from typing import Any
+
+import torch
+
+from ..files.durable import set_aside
+from ..files.meta import Meta, meta_path, optim_path, write_with_meta
+from ..format import fdl, protocol
+from ..format.layout import BUFFER, Layout, OPTIM
+from . import staging
+
+__all__ = ["Encoders", "Files"]
+
+log = logging.getLogger("snapsvc.writer")
+
+_DIGITS = re.compile(r"\d+")
+
+
+class Encoders:
+    """A slot's tensors as encoders, built once: a write only moves data."""
+
+    def __init__(self, layout: Layout, memory: mmap.mmap) -> None:
+        self.layout = layout
+        views = staging.views(torch.frombuffer(memory, dtype=torch.uint8), layout)
+        # Headers packed and entries checked once, here.
+        hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
+        self.model = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
+                                  if s.kind != OPTIM], structural_hash=hash_)
+        self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
+                                  if s.kind == OPTIM])
+        self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
+
+
+
+class Files:
+    """Writes snapshots durably and rotates what ``keep_last`` drops."""
+
+    def __init__(self, keep_last: int | None, compress_level: int | None) -> None:
+        torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
+        self.keep_last = keep_last
+        self.compress_level = compress_level
+        self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
+
+    def encoders(self, layout: dict[str, Any], memory: mmap.mmap) -> Encoders | str:
+        """A slot's encoders, or why it cannot be written (a trainer bug: its
+        writes fail, the sidecar keeps serving)."""
+        try:
+            return Encoders(Layout.from_msg(layout), memory)
+        except Exception as e:
+            log.exception("a slot cannot be written")
+            return f"its layout cannot be written: {type(e).__name__}: {e}"
+
+    def prune(self, path: str, trash: list[str]) -> list[str]:
+        """keep_last: drop our oldest files of ``path``'s series once it is durable.
+
+        A series is the names in one directory that differ only in their
+        digits (``step100.fdl`` and ``step200.fdl``, not ``best.fdl``), so a
+        ``best.fdl`` saved through the same writer is never rotated away.
+        Each file loses its name now; its data is freed after the report
+        (see :func:`~snapsvc.files.durable.set_aside`), through ``trash``.
+        """
+        series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
+        mine = self.written.setdefault(series, [])
+        if path in mine:
+            mine.remove(path)
+        mine.append(path)
+        removed = []
+        while self.keep_last is not None and len(mine) > self.keep_last:
+            old = mine.pop(0)
+            for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
+                aside = set_aside(p)
+                try:
+                    os.unlink(p)
+                    removed.append(p)
+                except FileNotFoundError:
+                    pass
+                if aside is not None:
+                    trash.append(aside)
+        return removed
+
+    def write(self, enc: Encoders, msg: dict[str, Any], base: dict[str, Any],
+              trash: list[str]) -> dict[str, Any]:
+        """Write one claimed snapshot; its report. Files replaced or rotated
+        away go to ``trash``, to be freed once the report is out."""
+        path = msg["path"]
+        body = protocol.unpack_value(msg["body"])  # packed and checked at submit
+        meta = Meta(buffers=enc.buffers, epoch=body["epoch"], metrics=body["metrics"],
+                    structural_hash=enc.layout.structural_hash or None,
+                    extra=body.get("extra"), optimizer=body.get("optim"),
+                    state=body.get("state"))
+        optim = (optim_path(path), enc.optim) if meta.optimizer is not None else None
+        try:
+            stats = write_with_meta(path, enc.model, meta, compress_level=self.compress_level,
+                                    optim=optim, trash=trash)
+            removed = self.prune(path, trash)
+        except OSError as e:
+            log.error("writing %s failed: %s", path, e)
+            detail = e.strerror or str(e)
+            if e.filename and e.filename != path:  # e.g. the temp file beside it
+                detail += f" (at {e.filename})"
+            return {**base, "ok": False, "errno": e.errno or errno_mod.EIO, "error": detail,
+                    "filename": path}
+        except Exception as e:  # reported to the trainer, never lost
+            log.exception("writing %s failed", path)
+            return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
+                    "filename": path}
+        return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
+                "entries": enc.model.count, "encode_s": stats.encode_s,
+                "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}
