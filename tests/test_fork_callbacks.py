@@ -40,7 +40,6 @@ def test_a_forked_child_never_acts_on_the_parents_writer(tmp_path, pending):
     got = run_script("fork", pending, tmp_path)
     assert got["child_code"] == 0 and got["child_s"] < 10, got  # no drain of the parent's writes
     assert got["error"] is not None and got["error"]["snapsvc"], got  # a submit is refused
-    assert str(os.getpid()) not in got["error"]["message"]
     assert "fork" in got["error"]["message"], got
     assert not (tmp_path / "child.fdl").exists()
     assert got.get("pending_ok", True) is True and got["after_ok"] is True, got
@@ -57,14 +56,13 @@ def test_dataloader_workers_started_after_the_writer_leave_it_alone(tmp_path, pe
 
 
 # -- done-callbacks ----------------------------------------------------------------
-def raise_(exc: BaseException, handle: snapsvc.WriteHandle) -> None:
-    raise exc
+def raise_(exc: type[BaseException], handle: snapsvc.WriteHandle) -> None:
+    raise exc()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leaks")
-@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt(), ValueError("x")],
-                         ids=["SystemExit", "KeyboardInterrupt", "ValueError"])
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt, ValueError])
 def test_a_raising_done_callback_does_not_stop_the_reports(tmp_path, exc):
     model = nn.Linear(4, 4)
     with snapsvc.SnapshotWriter(tmp_path, fault_hook=functools.partial(hooks.sleep, 0.5)) as w:
