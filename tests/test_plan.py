@@ -283,19 +283,22 @@ def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_pa
     """Defence in depth behind submit's checks: a layout whose encoder cannot
     be built (a name twice) fails the writes to that slot; the loop goes on."""
     import multiprocessing.connection as mpc
+    import socket
 
     from snapsvc.format import protocol
 
     from snapsvc.engine import worker as writer
     req_r, req_w = mpc.Pipe(duplex=False)
     rep_r, rep_w = mpc.Pipe(duplex=False)
+    fds_r, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     lock = staging.ClaimLock.create()
     try:
-        side = writer._Sidecar(req_r, rep_w, lock, {})
+        side = writer._Sidecar(req_r, rep_w, lock, {}, fds_r)
         a = torch.ones(2)
         layout = layout_mod.Layout.of([("a", a)], [("a", a)], "")
         flat = staging.allocate(layout)
-        req_w.send(flat)  # what follows a SLOT message on the pipe
+        # what precedes a SLOT message: the slot's fd on the slot socket
+        socket.send_fds(fds_w, [b"s"], [flat.untyped_storage()._share_fd_cpu_()[0]])
         assert side.handle({"op": protocol.SLOT, "slot": 1, "layout": layout.to_msg()})
         assert protocol.unpack(rep_r.recv_bytes())["op"] == protocol.SLOT_OK
         staging.claim_word(flat).fill_(5)
@@ -308,5 +311,5 @@ def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_pa
         assert os.listdir(tmp_path) == []
     finally:
         lock.close()
-        for c in (req_r, req_w, rep_r, rep_w):
+        for c in (req_r, req_w, rep_r, rep_w, fds_r, fds_w):
             c.close()

@@ -10,6 +10,18 @@ is gone, calls ``on_exit(gen, proc)`` once, after every report already in the
 pipe. ``is_alive()`` is never used: it would ``waitpid`` and race the reader's
 ``join`` for the exit status.
 
+Slots travel as file descriptors over a Unix socket of their own
+(``SCM_RIGHTS``), each sent just before its SLOT message: if the process dies
+before it reads one, the kernel closes the fds still in flight with the
+socket. (Pickled down the pipe instead, a slot's fd would wait in this
+process's ``multiprocessing`` resource sharer for a reader that never comes.)
+
+A child of ``os.fork()`` inherits the parent's ``multiprocessing`` list of
+children, sidecars included, and at its exit ``multiprocessing`` would
+SIGTERM every daemonic one: in the child the sidecars are taken off that
+list at once (:func:`_disown_in_child`). The owner refuses every other call
+from a child (:class:`~snapsvc.client.SnapshotWriter` checks the pid).
+
 Locking. :meth:`start` and :meth:`reap` change which process this is; the
 owner calls them under its own lifecycle lock, never concurrently.
 :meth:`send` may be called from any thread: ``_send_lock`` keeps a message
@@ -20,8 +32,12 @@ run on the reader thread with no lock of this class held.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
+import weakref
+from multiprocessing import process as mp_process
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
@@ -35,6 +51,18 @@ __all__ = ["Sidecar", "describe"]
 log = logging.getLogger("snapsvc")
 
 START_TIMEOUT = 120.0  # spawn + import torch on a loaded 2-core box can be slow
+_started: "weakref.WeakSet[Sidecar]" = weakref.WeakSet()
+
+
+def _disown_in_child() -> None:
+    """After a fork, in the child: the parent's sidecars are not this process's
+    children; multiprocessing's exit handler must not terminate them."""
+    for sidecar in list(_started):
+        if sidecar.proc is not None:
+            mp_process._children.discard(sidecar.proc)
+
+
+os.register_at_fork(after_in_child=_disown_in_child)
 
 
 class Sidecar:
@@ -53,6 +81,7 @@ class Sidecar:
         self.claim_lock: staging.ClaimLock | None = None
         self.reader: threading.Thread | None = None
         self._req: Any = None
+        self._fds: socket.socket | None = None  # slots' fds go down it (see the module docstring)
 
     @property
     def pid(self) -> int | None:
@@ -62,17 +91,19 @@ class Sidecar:
         """Spawn a process, wait for its READY (or its death), start the reader; the new gen."""
         req_r, req_w = self._ctx.Pipe(duplex=False)
         rep_r, rep_w = self._ctx.Pipe(duplex=False)
+        fds_r, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         lock = staging.ClaimLock.create()
-        proc = self._ctx.Process(target=writer_main, args=(req_r, rep_w, lock, self._options),
+        proc = self._ctx.Process(target=writer_main,
+                                 args=(req_r, rep_w, lock, self._options, fds_r),
                                  name="snapsvc-writer", daemon=True)
         try:
             proc.start()
         except BaseException:
-            for end in (req_r, req_w, rep_r, rep_w, lock):
+            for end in (req_r, req_w, rep_r, rep_w, lock, fds_r, fds_w):
                 end.close()
             raise
-        req_r.close()  # our copies of the child's ends: EOF must mean the peer is gone
-        rep_w.close()
+        for end in (req_r, rep_w, fds_r):  # our copies of the child's ends: EOF must
+            end.close()                    # mean the peer is gone, and its death frees the fds
         msg = None
         if rep_r in wait([rep_r, proc.sentinel], timeout=timeout):
             try:
@@ -83,23 +114,26 @@ class Sidecar:
             if not wait([proc.sentinel], timeout=5):  # exiting, or hung: give it 5 s
                 proc.kill()
             proc.join(5)
-            for end in (req_w, rep_r, lock):
+            for end in (req_w, rep_r, lock, fds_w):
                 end.close()
             raise BrokenWriterError(f"the writer sidecar did not start: {describe(proc)}")
         self.gen += 1
-        self.proc, self._req, self.claim_lock = proc, req_w, lock
+        self.proc, self._req, self._fds, self.claim_lock = proc, req_w, fds_w, lock
         self.reader = threading.Thread(target=self._read, args=(self.gen, rep_r, proc),
                                        name="snapsvc-reports", daemon=True)
         self.reader.start()
+        _started.add(self)
         return self.gen
 
-    def send(self, data: bytes, storage: Any = None) -> bool:
-        """Send one message (and a slot's storage after it); False if the process is gone."""
+    def send(self, data: bytes, slot: Any = None) -> bool:
+        """Send one message (a SLOT message: with the fd of the slot's shared
+        memory ``slot``, sent first); False if the process is gone."""
         try:
             with self._send_lock:
+                if slot is not None:
+                    fd, _ = slot.untyped_storage()._share_fd_cpu_()
+                    socket.send_fds(self._fds, [b"s"], [fd])
                 self._req.send_bytes(data)
-                if storage is not None:
-                    self._req.send(storage)
             return True
         except (BrokenPipeError, ConnectionResetError, OSError, AttributeError) as e:
             # Dead (or reaped: _req is None): the reader thread fails what is pending.
@@ -125,9 +159,10 @@ class Sidecar:
         """Forget a dead or stopped process: join its reader, close our ends."""
         self.join_reader()
         with self._send_lock:
-            if self._req is not None:
-                self._req.close()
-            self._req = None
+            for end in (self._req, self._fds):
+                if end is not None:
+                    end.close()
+            self._req = self._fds = None
         if self.proc is not None:
             self.proc.join(5)
         if self.claim_lock is not None:
@@ -147,7 +182,7 @@ class Sidecar:
                         self._on_report(gen, protocol.unpack(data))
                         continue
                 break
-        except Exception:  # a bug here must not leave handles waiting forever
+        except BaseException:  # a bug here must not leave handles waiting forever
             log.exception("snapsvc: reading the writer's reports failed; stopping it")
             proc.kill()
         finally:

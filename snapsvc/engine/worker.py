@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -67,9 +68,10 @@ class _Slot:
 
 class _Sidecar:
     def __init__(self, req: Connection, rep: Connection, lock: staging.ClaimLock,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], fds: socket.socket) -> None:
         self.req = req
         self.rep = rep
+        self.fds = fds
         self.lock = lock
         self.keep_last: int | None = options.get("keep_last")
         self.compress_level: int | None = options.get("compress_level")
@@ -171,12 +173,18 @@ class _Sidecar:
             except OSError as e:  # a leftover temp name; the next start removes it
                 log.warning("could not remove an old checkpoint's data: %s", e)
         elif op == protocol.SLOT:
-            flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
+            fd = self.receive_fd()  # sent just before this message, whatever follows
             try:
-                self.slots[msg["slot"]] = _Slot(Layout.from_msg(msg["layout"]), flat)
+                layout = Layout.from_msg(msg["layout"])
+                # torch maps a dup of the fd, kept while the slot lives
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, layout.nbytes)
+                flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+                self.slots[msg["slot"]] = _Slot(layout, flat)
             except Exception as e:  # a trainer bug: fail this slot's writes, keep serving
                 log.exception("slot %s cannot be written", msg["slot"])
                 self.slots[msg["slot"]] = f"its layout cannot be written: {type(e).__name__}: {e}"
+            finally:
+                os.close(fd)
             self.report(protocol.SLOT_OK, slot=msg["slot"])
         elif op == protocol.FREE:
             for sid in msg["slots"]:
@@ -186,6 +194,13 @@ class _Sidecar:
         else:
             log.error("unknown control message %r", op)
         return True
+
+    def receive_fd(self) -> int:
+        """The fd of a slot's shared memory, sent by the trainer before its SLOT message."""
+        _, fds, _, _ = socket.recv_fds(self.fds, 1, 1)
+        if len(fds) != 1:  # a trainer bug or a closed socket: nothing else can be read here
+            raise RuntimeError(f"expected one slot fd before a SLOT message, got {len(fds)}")
+        return fds[0]
 
     def run(self) -> None:
         self.report(protocol.READY, pid=os.getpid())
@@ -214,8 +229,8 @@ class _Sidecar:
 
 
 def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
-                options: dict[str, Any]) -> None:
-    """Entry point of the writer process."""
+                options: dict[str, Any], fds: socket.socket) -> None:
+    """Entry point of the writer process; ``fds``: where slots' fds arrive."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -226,4 +241,4 @@ def writer_main(req: Connection, rep: Connection, lock: staging.ClaimLock,
     if hook is not None:
         hook("start", "")
     torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
-    _Sidecar(req, rep, lock, options).run()
+    _Sidecar(req, rep, lock, options, fds).run()
