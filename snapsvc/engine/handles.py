@@ -84,9 +84,9 @@ class WriteHandle:
 
     def _no_wait_on_reader(self, what: str) -> None:
         if not self._future.done() and self._on_reader():
-            raise UnsafeCallError(f"{what}() of {self!r} inside a done-callback would wait for "
-                                  "itself: callbacks run on the thread that delivers reports; "
-                                  "wait on another thread")
+            raise UnsafeCallError(f"{what}() of {self!r} inside a done-callback would deadlock: "
+                                  "callbacks run on the thread that delivers reports; wait on "
+                                  "another thread")
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

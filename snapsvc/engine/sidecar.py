@@ -20,7 +20,7 @@ A child of ``os.fork()`` inherits the parent's ``multiprocessing`` list of
 children, sidecars included, and at its exit ``multiprocessing`` would
 SIGTERM every daemonic one: in the child the sidecars are taken off that
 list at once (:func:`_disown_in_child`). The owner refuses every other call
-from a child (:class:`~snapsvc.client.SnapshotWriter` checks the pid).
+from a child (:class:`~snapsvc.engine.writer.SnapshotWriter` checks the pid).
 
 Locking. :meth:`start` and :meth:`reap` change which process this is; the
 owner calls them under its own lifecycle lock, never concurrently.

@@ -285,9 +285,9 @@ class SnapshotWriter:
                 "this SnapshotWriter: a forked child cannot use its parent's writer (it would "
                 "act on the parent's sidecar and slots); make a new SnapshotWriter in the child")
         if wait and self._on_reader():
-            raise UnsafeCallError(f"{what}() inside a done-callback would wait for itself: "
-                                  "callbacks run on the thread that delivers reports; hand "
-                                  "the work to another thread")
+            raise UnsafeCallError(f"{what}() inside a done-callback would deadlock: callbacks "
+                                  "run on the thread that delivers reports; hand the work to "
+                                  "another thread")
 
     def _on_reader(self) -> bool:
         return threading.current_thread() is self._sidecar.reader
