@@ -18,6 +18,7 @@ __all__ = [
     "StrictLoadError",
     "BrokenWriterError",
     "SlotBudgetError",
+    "UnsafeCallError",
     "WriteFailedError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
@@ -95,6 +96,13 @@ class BrokenWriterError(SnapsvcError, RuntimeError):
 
 class SlotBudgetError(SnapsvcError, ValueError):
     """A snapshot's slots do not fit in the writer's ``max_slot_bytes``."""
+
+
+class UnsafeCallError(SnapsvcError, RuntimeError):
+    """A writer call made where it cannot work: in a forked child of the
+    process that owns the writer (it would act on the parent's sidecar), or a
+    wait from the thread that delivers reports, i.e. inside a done-callback
+    (it would wait for itself)."""
 
 
 class WriteFailedError(SnapsvcError, OSError):

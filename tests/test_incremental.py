@@ -95,7 +95,7 @@ def test_writes_through_data_are_missed_and_the_check_mode_catches_them(tmp_path
         want = state_of(m)
         with caplog.at_level(logging.WARNING, logger="snapsvc"):
             w.submit(m, "d.fdl").result(timeout=60)
-    assert "'backbone.2.bias' changed without a _version bump" in caplog.text
+    assert "'backbone.2.bias' (a frozen parameter) changed without a _version bump" in caplog.text
     assert_file_is(tmp_path / "d.fdl", want)
 
 

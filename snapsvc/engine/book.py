@@ -38,8 +38,9 @@ class Pending:
 class Book:
     """Shared state of one writer; see the module docstring for the lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_reader: Callable[[], bool]) -> None:
         self.cond = threading.Condition(threading.Lock())
+        self.on_reader = on_reader  # given to each handle: no wait inside a done-callback
         self.pending: dict[int, Pending] = {}
         self.dirs: set[str] = set()
         self.seq = 0
@@ -72,7 +73,8 @@ class Book:
         """Book a staged write (cond held); its seq."""
         self.seq += 1
         slot.seq = self.seq
-        self.pending[self.seq] = Pending(WriteHandle(self.seq, path), slot, started, stage_s, gen)
+        handle = WriteHandle(self.seq, path, self.on_reader)
+        self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen)
         return self.seq
 
     def skipped(self, path: str, started: float) -> WriteHandle:
@@ -80,7 +82,7 @@ class Book:
         stall = time.monotonic() - started
         with self.cond:
             self.seq += 1
-            handle = WriteHandle(self.seq, path)
+            handle = WriteHandle(self.seq, path, self.on_reader)
             self.counts["skipped"] += 1
             self.stalls.append(stall)
         handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,

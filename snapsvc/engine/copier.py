@@ -7,15 +7,22 @@ the next forward() changes (buffers, plain tensors), and leaves the rest
 side CUDA stream; :meth:`Copier.guard` makes ``optimizer.step()`` wait for
 it, on CUDA without blocking the CPU.
 
-Incremental mode (opt-in) copies into a slot only the tensors that changed
-since that slot last held them: same tensor objects (the model's cached
-plan), same storage pointer, same ``_version`` counter, which every in-place
-op and optimizer step bumps. The file written is still complete: the other
-tensors are in the slot from an earlier submit. It is opt-in because a write
-through ``p.data`` (``p.data.add_(1)``) changes the values without bumping
-``p._version``: such a change is missed. ``incremental="check"`` compares
-every skipped tensor with the slot (a full compare, for debugging), logs each
-one that a stale copy would have written wrongly, and copies it.
+Incremental mode (opt-in) copies into a slot again only what may have
+changed since that slot last held it. ``_version`` alone is not a safe sign
+of change: kernels that write a tensor directly do not bump it (BatchNorm's
+running statistics in train mode, the fused Adam/AdamW/SGD steps, a
+parameter that views a flat vector written through that vector). So a tensor
+is skipped only if it is a *frozen parameter*: ``requires_grad=False``, no
+``.grad`` (every torch optimizer, fused or not, steps only parameters with a
+gradient), owning its whole storage (not a view into a larger buffer that
+could be written through another tensor), and with the same tensor object,
+storage pointer and ``_version`` as when the slot took it. Buffers and
+trainable parameters are copied every time. What is still missed: a frozen
+parameter written without a ``_version`` bump, through ``p.data`` or through
+another tensor or array that shares its whole memory (``torch.from_numpy``).
+``incremental="check"`` compares every skipped tensor with the slot (a full
+compare, for debugging), logs each one a stale copy would have written, and
+copies it.
 
 Locking. ``_lock`` guards the in-flight future and the last copy event, so
 ``stage``, ``wait`` and the guard hook may run on any thread. Copies finish,
@@ -40,7 +47,18 @@ from .pools import Plan, Slot
 __all__ = ["Copier"]
 
 log = logging.getLogger("snapsvc")
-_version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _frozen(sources: list[torch.Tensor], params: int) -> list[int]:
+    """Indices of the parameters among ``sources`` (the first ``params``)
+    that only an explicit write can change: ``requires_grad=False``, no
+    gradient for an optimizer to apply, and their storage all their own."""
+    if all(map(_requires_grad, sources[:params])):  # nothing frozen: the usual training case
+        return []
+    return [i for i, t in enumerate(sources[:params])
+            if not t.requires_grad and t.grad is None and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.nbytes]
 
 
 class Copier:
@@ -91,29 +109,33 @@ class Copier:
         return rest, copied
 
     def _changed(self, slot: Slot, sources: list[torch.Tensor]) -> tuple[list[int] | None, Any]:
-        """(indices of ``sources`` that differ from what ``slot`` holds, or None
-        for all; what the slot holds after this copy)."""
-        ptrs = list(map(torch.Tensor.data_ptr, sources))
-        versions = list(map(_version, sources))
-        held, now = slot.held, (sources, ptrs, versions)
-        if held is None or held[0] is not sources:
+        """(indices of ``sources`` to copy into ``slot``, or None for all;
+        what the slot holds after this copy). See the module docstring for
+        what may be skipped."""
+        frozen = _frozen(sources, slot.param_count)
+        ptrs = [sources[i].data_ptr() for i in frozen]
+        versions = [sources[i]._version for i in frozen]
+        held, now = slot.held, (sources, frozen, ptrs, versions)
+        if held is None or held[0] is not sources or not frozen:
             return None, now
-        _, old_ptrs, old_versions = held
-        if ptrs == old_ptrs and versions == old_versions:  # one C-level pass each
-            picked = []
+        _, old_frozen, old_ptrs, old_versions = held
+        if frozen == old_frozen and ptrs == old_ptrs and versions == old_versions:
+            skipped = frozen  # one C-level pass each: the usual case
         else:
-            picked = [i for i, (p, v, op, ov) in enumerate(zip(ptrs, versions, old_ptrs,
-                                                               old_versions)) if p != op or v != ov]
+            was = dict(zip(old_frozen, zip(old_ptrs, old_versions)))
+            skipped = [i for i, p, v in zip(frozen, ptrs, versions) if was.get(i) == (p, v)]
         if self.incremental == "check":
-            skipped = set(range(len(sources))) - set(picked)
-            stale = sorted(i for i in skipped if not torch.equal(
-                slot.views[i], sources[i].to(slot.views[i].device)))  # a CUDA source: to CPU
+            stale = [i for i in skipped if not torch.equal(
+                slot.views[i], sources[i].to(slot.views[i].device))]  # a CUDA source: to CPU
             for i in stale:
-                log.warning("incremental staging: %r changed without a _version bump (a write "
-                            "through .data?); a stale copy would have been written, copying it",
-                            slot.layout.specs[i].name)
-            picked = sorted(set(picked) | set(stale))
-        return picked, now
+                log.warning("incremental staging: %r (a frozen parameter) changed without a "
+                            "_version bump: it was written through .data or through another "
+                            "tensor sharing its memory; a stale copy would have been written, "
+                            "copying it", slot.layout.specs[i].name)
+            if stale:
+                skipped = sorted(set(skipped) - set(stale))
+        keep = set(skipped)
+        return [i for i in range(len(sources)) if i not in keep], now
 
     def _copy(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
               early_idx: list[int], late_idx: list[int]) -> Callable[[], None] | None:

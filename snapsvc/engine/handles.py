@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import UnsafeCallError
+
 __all__ = ["WriteReport", "WriteHandle"]
+
+log = logging.getLogger("snapsvc")
 
 
 @dataclass
@@ -26,27 +32,61 @@ class WriteReport:
     seq: int = 0
 
 
-class WriteHandle:
-    """A pending write, like a ``concurrent.futures.Future`` of a :class:`WriteReport`."""
+def _never() -> bool:
+    return False
 
-    def __init__(self, seq: int, path: str) -> None:
+
+class WriteHandle:
+    """A pending write, like a ``concurrent.futures.Future`` of a :class:`WriteReport`.
+
+    ``on_reader``: true on the thread that resolves handles (where
+    done-callbacks run), on which a wait would wait for itself.
+    """
+
+    def __init__(self, seq: int, path: str, on_reader: Callable[[], bool] = _never) -> None:
         self.seq = seq
         self.path = path
         self._future: Future[WriteReport] = Future()
+        self._on_reader = on_reader
 
     def result(self, timeout: float | None = None) -> WriteReport:
-        """The report; raises the write's error, or ``TimeoutError`` after ``timeout``."""
+        """The report; raises the write's error, or ``TimeoutError`` after ``timeout``.
+        Inside a done-callback, on a handle not done: :class:`UnsafeCallError` at once."""
+        self._no_wait_on_reader("result")
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._no_wait_on_reader("exception")
         return self._future.exception(timeout)
 
     def done(self) -> bool:
         return self._future.done()
 
     def add_done_callback(self, fn: Callable[["WriteHandle"], Any]) -> None:
-        """Call ``fn(handle)`` when done (at once if already done)."""
-        self._future.add_done_callback(lambda _f: fn(self))
+        """Call ``fn(handle)`` when done (at once, on this thread, if already done).
+
+        On the thread that delivers reports whatever ``fn`` raises is logged
+        and dropped, ``SystemExit`` and ``KeyboardInterrupt`` too: no callback
+        can stop the reports. On another thread, as ``concurrent.futures``
+        does: an ``Exception`` is logged, anything else propagates.
+        """
+        def call(_f: Future[WriteReport]) -> None:
+            try:
+                fn(self)
+            except BaseException as e:  # noqa: BLE001 - see above
+                if not isinstance(e, Exception) and not self._on_reader():
+                    raise
+                # Formatted, not exc_info: a kept traceback would keep the reader's frames alive.
+                log.error("a done-callback of %r raised; ignored:\n%s", self,
+                          "".join(traceback.format_exception(e)).rstrip())
+
+        self._future.add_done_callback(call)
+
+    def _no_wait_on_reader(self, what: str) -> None:
+        if not self._future.done() and self._on_reader():
+            raise UnsafeCallError(f"{what}() of {self!r} inside a done-callback would deadlock: "
+                                  "callbacks run on the thread that delivers reports; wait on "
+                                  "another thread")
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

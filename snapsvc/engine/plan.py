@@ -25,7 +25,7 @@ from ..format import fdl, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
 from ..state.tree import flatten
-from .pools import Plan, Pool, Slot, SlotPools, walk
+from .pools import Plan, Pool, SlotPools, walk
 from .snapshot import ModelSnapshot
 
 __all__ = ["Request", "request", "find_pool", "check_epoch", "check_path", "pack_body"]
@@ -93,25 +93,25 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Re
                     f"not {type(obj).__name__}")
 
 
-def find_pool(pools: SlotPools, req: Request
-              ) -> tuple[Pool, list[Slot], list[torch.Tensor], Plan | None]:
-    """(pool, slots released as idle, copy sources, the model's cached plan
-    if they come from one) for ``req``; the writer's lock held.
+def find_pool(pools: SlotPools, req: Request) -> tuple[Pool, list[torch.Tensor], Plan | None]:
+    """(pool, copy sources, the model's cached plan if they come from one)
+    for ``req``; the writer's lock held. Pools released as idle on the way
+    wait in :meth:`SlotPools.take_released`, even if this raises.
 
     A model's plan is looked up and made under that lock, so two threads
     submitting the same model share one plan and one pool.
     """
     if req.model is None:
-        pool, gone = pools.pool(req.key, req.layout, req.pin)
-        return pool, gone, req.sources, None
+        return pools.pool(req.key, req.layout, req.pin), req.sources, None
     plan = pools.plan(req.model, req.walked)
     if plan is not None:
-        return plan.pool, pools.use(plan.pool), plan.sources, plan
+        pools.use(plan.pool)
+        return plan.pool, plan.sources, plan
     full = _entries(list(req.model.named_parameters()), list(persistent_buffers(req.model)))
-    pool, gone = pools.pool(full.key, full.layout, full.pin)
+    pool = pools.pool(full.key, full.layout, full.pin)
     plan = Plan.make(req.walked, full.sources, pool)
     pools.remember(req.model, plan)
-    return pool, gone, full.sources, plan
+    return pool, full.sources, plan
 
 
 def check_epoch(epoch: int | None) -> int:

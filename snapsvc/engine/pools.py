@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import SlotBudgetError
-from ..format.layout import BUFFER, EARLY, Layout
+from ..format.layout import BUFFER, EARLY, PARAM, Layout
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
@@ -54,8 +54,11 @@ class Slot:
         self.late = [i for i, s in enumerate(layout.specs) if s.kind not in EARLY]
         self.early_set = frozenset(self.early)
         self.data_bytes = sum(s.nbytes for s in layout.specs)
-        # incremental mode: (sources, storage pointers, _versions) of the last copy
-        self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        # incremental mode: (sources, indices of the frozen parameters, their
+        # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
+        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
+        # parameters come first in a layout: what incremental mode may skip is among them
+        self.param_count = sum(1 for s in layout.specs if s.kind == PARAM)
         # what the buffer names add to a metadata file (client._pack_body's room)
         self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
                                 if s.kind == BUFFER)
@@ -203,6 +206,7 @@ class SlotPools:
         self._plans: "weakref.WeakKeyDictionary[nn.Module, Plan]" = weakref.WeakKeyDictionary()
         self._by_id: dict[int, Slot] = {}
         self._next_id = 0
+        self._released: list[Slot] = []  # until take_released(): the sidecar must unmap them
 
     def __iter__(self) -> Iterator[Slot]:
         for pool in self._pools.values():
@@ -215,15 +219,15 @@ class SlotPools:
     def nbytes(self) -> int:
         return sum(s.layout.nbytes for s in self)
 
-    def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool
-             ) -> tuple[Pool, list[Slot]]:
-        """The pool for ``key`` (made from ``layout()`` if new, within the budget),
-        and the slots of other pools released because they were idle: the
-        sidecar must be told to unmap those."""
+    def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool) -> Pool:
+        """The pool for ``key`` (made from ``layout()`` if new, within the
+        budget). Other pools are released if idle, even when this raises:
+        see :meth:`take_released`."""
         pool = self._pools.get(key)
         if pool is not None:
-            return pool, self.use(pool)
-        gone = self._trim(keep=None)
+            self.use(pool)
+            return pool
+        self._trim(keep=None)
         lay = layout()
         need = self.slots * lay.nbytes
         if self.max_slot_bytes is not None:
@@ -247,7 +251,7 @@ class SlotPools:
             raise
         self._pools[key] = pool
         self._by_id.update((s.id, s) for s in pool)
-        return pool, gone
+        return pool
 
     def plan(self, model: nn.Module, walked: list[torch.Tensor | None]) -> Plan | None:
         """The cached plan of ``model`` if it still holds (see :meth:`Plan.matches`)."""
@@ -257,11 +261,18 @@ class SlotPools:
     def remember(self, model: nn.Module, plan: Plan) -> None:
         self._plans[model] = plan
 
-    def use(self, pool: Pool) -> list[Slot]:
+    def use(self, pool: Pool) -> None:
         """``pool`` serves this submit: release the other idle pools (their slots)."""
-        return self._trim(keep=pool)
+        self._trim(keep=pool)
 
-    def _trim(self, keep: Pool | None) -> list[Slot]:
+    def take_released(self) -> list[Slot]:
+        """The slots released since the last call, which the sidecar must be
+        told to unmap. Kept here, not returned by :meth:`pool`, so a call that
+        raises after releasing some (a refused budget) cannot lose them."""
+        gone, self._released = self._released, []
+        return gone
+
+    def _trim(self, keep: Pool | None) -> None:
         gone = []
         for key, pool in list(self._pools.items()):
             if pool is keep or pool.users or any(s.busy for s in pool):
@@ -276,11 +287,12 @@ class SlotPools:
             for model, plan in list(self._plans.items()):
                 if id(plan.pool[0]) in dead:
                     del self._plans[model]
-        return gone
+        self._released += gone
 
     def clear(self) -> None:
         for slot in self:
             slot.release()
+        self._released.clear()
         self._pools.clear()
         self._plans.clear()
         self._by_id.clear()

@@ -212,7 +212,7 @@ class Sidecar:
                         self._on_report(gen, protocol.unpack(data))
                         continue
                 break
-        except Exception:  # a bug here must not leave handles waiting forever
+        except BaseException:  # a bug here must not leave handles waiting forever
             log.exception("snapsvc: reading the writer's reports failed; stopping it")
             proc.kill()
         finally:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..files.durable import remove_stale_temps
 from ..format import protocol
+from ..errors import UnsafeCallError
 from ..state.tree import check_plain
 from .book import Book
 from .copier import Copier
@@ -25,7 +26,7 @@ from .dispatch import Dispatcher
 from .exits import exit_on_sigterm, live, restore_sigterm
 from .handles import WriteHandle, WriteReport
 from .plan import check_epoch, check_path, find_pool, pack_body, request
-from .pools import SlotPools
+from .pools import Slot, SlotPools
 from .sidecar import Sidecar
 from .slots import SlotBroker
 from .snapshot import ModelSnapshot, as_metrics
@@ -59,11 +60,15 @@ class SnapshotWriter:
     the copy is enqueued (see :mod:`snapsvc.engine.copier`); pair it with
     :meth:`guard`. The WRITE message then leaves after the copy, so a trainer
     SIGKILLed in that window loses that snapshot, which blocking mode never
-    does. ``incremental``: a model's submit copies into a slot only the
-    tensors changed since that slot last held them (``_version`` and storage
-    pointer); opt-in, because a write through ``p.data`` does not bump
-    ``_version`` and is missed; ``"check"`` verifies every skipped tensor and
-    logs any such miss (see :mod:`snapsvc.engine.copier`). ``stats()["staged_bytes"]``
+    does. ``incremental``: a model's submit skips the frozen
+    parameters (``requires_grad=False``, no ``.grad``, their storage their
+    own) that the slot already holds unchanged (same storage pointer and
+    ``_version``); buffers and trainable parameters are always copied, since
+    kernels such as BatchNorm's and the fused optimizers' do not bump
+    ``_version``. Opt-in, because a frozen parameter written through
+    ``p.data`` or a tensor sharing its memory is missed; ``"check"``
+    verifies every skipped tensor and logs any such miss (see
+    :mod:`snapsvc.engine.copier`). ``stats()["staged_bytes"]``
     counts what was copied. ``nice``: added to the sidecar's nice value. ``fault_hook``: for
     tests, a picklable ``hook(stage, path)`` run inside the sidecar (see
     :func:`snapsvc.files.durable.set_fault_hook`); it must be importable
@@ -105,7 +110,8 @@ class SnapshotWriter:
         self.sigterm = sigterm
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
                    "fault_hook": fault_hook}
-        self._book = Book()
+        self._pid = os.getpid()  # the owner: a forked child never acts on this writer
+        self._book = Book(self._on_reader)
         self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
         if start_method is not None:
             warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
@@ -131,6 +137,7 @@ class SnapshotWriter:
 
     def start(self) -> "SnapshotWriter":
         """Launch the sidecar; return once it has confirmed it is ready."""
+        self._check_caller("start", wait=False)
         self._ensure_running()
         return self
 
@@ -181,8 +188,13 @@ class SnapshotWriter:
         New submits are refused from the start; submits already copying are
         waited for. After ``timeout`` seconds the sidecar is killed; the
         snapshots it had not written are logged by path and their handles fail.
+        In a forked child it does nothing: the writer and its sidecar are the
+        parent's (so neither a ``with`` block nor the exit drain of a child
+        touches them).
         """
-        self._not_from_reader("finish")
+        if os.getpid() != self._pid:
+            return
+        self._check_caller("finish")
         book = self._book
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._life:
@@ -235,7 +247,7 @@ class SnapshotWriter:
         that can be refused is refused before a slot is taken.
         """
         started = time.monotonic()
-        self._not_from_reader("submit")
+        self._check_caller("submit")
         path = self._resolve(path)
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
@@ -245,15 +257,21 @@ class SnapshotWriter:
         req = request(model_or_state, optimizer, extra)
         self._ensure_running()
         book = self._book
-        with book.cond:
-            book.check_open()
-            pool, gone, sources, plan = find_pool(self._pools, req)
-            pool.users += 1  # not trimmed while this submit uses it
-            book.active += 1
-            book.counts["submitted"] += 1
+        gone: list[Slot] = []
         try:
+            with book.cond:
+                book.check_open()
+                try:
+                    pool, sources, plan = find_pool(self._pools, req)
+                finally:  # a refused layout may have released idle pools first
+                    gone = self._pools.take_released()
+                pool.users += 1  # not trimmed while this submit uses it
+                book.active += 1
+                book.counts["submitted"] += 1
+        finally:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
+        try:
             body = pack_body(path, pool[0].buffer_bytes, epoch=epoch, metrics=metrics,
                              extra=extra, optim=req.optim, state=req.tree)
             return self._dispatch.stage(pool, sources, plan, path, body, started, timeout)
@@ -265,10 +283,21 @@ class SnapshotWriter:
                     self._pools.clear()
                 book.cond.notify_all()
 
-    def _not_from_reader(self, what: str) -> None:
-        if threading.current_thread() is self._sidecar.reader:
-            raise RuntimeError(f"{what}() from a done-callback would deadlock: callbacks run on "
-                               "the thread that delivers reports; hand the work to another thread")
+    def _check_caller(self, what: str, *, wait: bool = True) -> None:
+        """Refuse a call from a forked child, and (``wait``: a call that waits
+        for reports) from the reader thread, i.e. inside a done-callback."""
+        if os.getpid() != self._pid:
+            raise UnsafeCallError(
+                f"{what}() in process {os.getpid()}, a fork of process {self._pid} that owns "
+                "this SnapshotWriter: a forked child cannot use its parent's writer (it would "
+                "act on the parent's sidecar and slots); make a new SnapshotWriter in the child")
+        if wait and self._on_reader():
+            raise UnsafeCallError(f"{what}() inside a done-callback would deadlock: callbacks "
+                                  "run on the thread that delivers reports; hand the work to "
+                                  "another thread")
+
+    def _on_reader(self) -> bool:
+        return threading.current_thread() is self._sidecar.reader
 
     def _resolve(self, path: str | os.PathLike[str], create: bool = True) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
@@ -286,6 +315,7 @@ class SnapshotWriter:
     # -- waits -----------------------------------------------------------------
     def wait_staged(self, timeout: float | None = None) -> None:
         """Overlap mode: block until every snapshot's copy has finished."""
+        self._check_caller("wait_staged", wait=False)
         self._copier.wait(timeout)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -303,8 +333,10 @@ class SnapshotWriter:
         """Wait until no write to ``path`` is pending (its outcome is on its handle).
 
         ``TimeoutError`` after ``timeout`` seconds. For callers about to
-        remove or read that checkpoint.
+        remove or read that checkpoint. Inside a done-callback:
+        :class:`~snapsvc.errors.UnsafeCallError` at once.
         """
+        self._check_caller("wait_path")
         path = self._resolve(path, create=False)
         pending = self._book.pending
         self._book.wait_until(lambda: not any(p.handle.path == path for p in pending.values()),

@@ -7,7 +7,8 @@ find and remove the ones a dead writer left behind.
 
 Two phases, so several files can be committed in a chosen order (checkpoint
 before its metadata): :func:`staged_write` writes and fsyncs a temp file,
-:func:`commit` renames them in order and fsyncs each directory once.
+:func:`commit` renames them in order and fsyncs each directory once, all or
+nothing: a failure at any step puts back the files it replaced.
 :func:`atomic_write` is both for one file.
 
 Temp files are created like ``open()`` creates files (mode 0666 less the
@@ -275,25 +276,59 @@ def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
 def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
     """Rename staged files into place in the given order, then fsync their directories.
 
-    If a rename fails, the files not yet renamed are discarded. With
-    ``trash``, each file replaced is first :func:`set_aside` and its temp
-    name appended there, for the caller to unlink once it is done timing.
+    All or nothing: each file about to be replaced first gets a second,
+    hidden name (:func:`set_aside`), so if a rename or a directory's fsync
+    fails, every file already renamed is put back as it was (the previous
+    file under its name again, or no file where there was none) and the
+    temp files are removed: the previous checkpoint stays whole. (On a file
+    system without hard links a replaced file cannot be put back.) With
+    ``trash``, the second names of the replaced files are appended there,
+    for the caller to unlink once it is done timing; without, they are
+    unlinked here.
     """
-    for i, f in enumerate(files):
-        try:
+    done: list[tuple[DurableFile, str | None]] = []  # renamed, with the previous file's second name
+    try:
+        for f in files:
             _fault("rename", f.path)
-            if trash is not None:
-                old = set_aside(f.path)
-                if old is not None:
-                    trash.append(old)
-            os.replace(f.tmp_path, f.path)
-        except BaseException:
-            discard(*files[i:])
-            raise
-    for directory in dict.fromkeys(os.path.dirname(f.path) for f in files):
-        t0 = time.perf_counter()
-        fsync_dir(directory)
-        files[-1].fsync_s += time.perf_counter() - t0
+            old = set_aside(f.path)
+            try:
+                os.replace(f.tmp_path, f.path)
+            except BaseException:
+                unlink_quietly([old] if old is not None else [])
+                raise
+            done.append((f, old))
+        for directory in dict.fromkeys(os.path.dirname(f.path) for f in files):
+            t0 = time.perf_counter()
+            fsync_dir(directory)
+            files[-1].fsync_s += time.perf_counter() - t0
+    except BaseException:
+        _put_back(done)
+        discard(*files)
+        raise
+    olds = [old for _, old in done if old is not None]
+    if trash is not None:
+        trash.extend(olds)
+    else:
+        unlink_quietly(olds)
+
+
+def _put_back(done: list[tuple[DurableFile, str | None]]) -> None:
+    """Undo the renames of a failed :func:`commit`, last first (the metadata,
+    which vouches for the rest, goes back first). Best effort: the error that
+    made the commit fail is the one raised."""
+    for f, old in reversed(done):
+        try:
+            if old is not None:
+                os.replace(old, f.path)
+            else:
+                os.unlink(f.path)
+        except OSError:
+            pass
+    for directory in dict.fromkeys(os.path.dirname(f.path) for f, _ in done):
+        try:
+            fsync_dir(directory)
+        except OSError:
+            pass
 
 
 @contextmanager

@@ -95,9 +95,10 @@ def write_with_meta(path: str | os.PathLike[str],
     version are filled in here; ``optim`` is (path, entries) and its
     description must already be in ``meta.optimizer``. Entries may come as an
     :class:`~snapsvc.format.fdl.Encoder` built once (the sidecar's slots); the
-    checkpoint's must then carry ``meta.structural_hash``. A failure before
-    the renames leaves any previous files of those names untouched, and no
-    temp file. ``trash``: see :func:`~snapsvc.files.durable.commit`.
+    checkpoint's must then carry ``meta.structural_hash``. A failure at any
+    step, a rename or an fsync included, leaves the previous files of those
+    names as they were, and no temp file. ``trash``: see
+    :func:`~snapsvc.files.durable.commit`.
     """
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else bytes(fdl.HASH_LEN)
     encoder = entries if isinstance(entries, fdl.Encoder) else fdl.Encoder(entries, structural_hash=hash_)
