@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -129,7 +130,8 @@ def test_a_url_is_refused_at_save_and_never_written_to_a_local_folder(tmp_path, 
 
 
 @pytest.mark.timeout(60)
-def test_a_file_url_is_the_local_path_as_with_stock(tmp_path, no_leaks):
+def test_a_file_url_is_the_local_path_as_with_stock(tmp_path, monkeypatch, no_leaks):
+    monkeypatch.chdir(tmp_path)  # where a file:// URL taken as a relative path would land
     io = SnapsvcCheckpointIO()
     try:
         io.save_checkpoint({"epoch": 0, "w": torch.ones(2)}, f"file://{tmp_path}/a.ckpt")
@@ -138,6 +140,7 @@ def test_a_file_url_is_the_local_path_as_with_stock(tmp_path, no_leaks):
         io.teardown()
     assert torch.equal(got["w"], torch.ones(2))
     assert snapsvc.verify(tmp_path / "a.ckpt").ok
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "a.ckpt.meta"]
 
 
 @pytest.mark.timeout(120)
@@ -201,6 +204,23 @@ def test_hyper_parameters_round_trip_as_with_stock(tmp_path, no_leaks):
         loaded[io] = read(io, ckpt.best_model_path)["hyper_parameters"]
     same(dict(loaded["default"]), {"lr": np.float64(0.05), **hparams()}, "stock")  # the control
     same(dict(loaded["snapsvc"]), dict(loaded["default"]), "hyper_parameters")
+
+
+@pytest.mark.timeout(120)
+def test_an_enum_is_found_only_in_a_module_already_imported(tmp_path, monkeypatch, no_leaks):
+    """Loading never imports a module a checkpoint names: it says which one to import."""
+    module = types.ModuleType("snapsvc_test_hparam_enums")
+    module.Colour = enum.Enum("Colour", {"RED": 1}, module=module.__name__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    io = SnapsvcCheckpointIO()
+    try:
+        io.save_checkpoint({"hyper_parameters": {"colour": module.Colour.RED}}, tmp_path / "a.ckpt")
+        assert io.load_checkpoint(tmp_path / "a.ckpt")["hyper_parameters"] == {"colour": module.Colour.RED}
+        monkeypatch.delitem(sys.modules, module.__name__)
+        with pytest.raises(UnsupportedStateError, match=r"colour.*import snapsvc_test_hparam_enums"):
+            io.load_checkpoint(tmp_path / "a.ckpt")
+    finally:
+        io.teardown()
 
 
 class Backbone(nn.Module):
