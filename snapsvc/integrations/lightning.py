@@ -48,7 +48,9 @@ datamodule's) are stored as follows, and come back so from
   the class in a module the process has already imported (snapsvc never
   imports what a file names) and raises ``UnsupportedStateError`` saying
   which module to import when it is not there; a dataclass is rebuilt by
-  calling it with its ``init`` fields, the others are set after.
+  calling it with its ``init`` fields, the others are set after. A class
+  that its module and name do not find again (one defined in a function)
+  is refused.
 - ``nn.Module``, optimizers and other objects with ``state_dict()``: refused,
   as they would come back as a dict of tensors. Lightning warns about
   module hyper-parameters too: ``save_hyperparameters(ignore=[...])`` them,
@@ -60,8 +62,8 @@ hyper-parameter dict of one's own with that key is refused.
 
 Paths. Lightning's paths resolve against the working directory, as with its
 own IO; ``file://`` URLs are local paths. Other URLs (``s3://``, ``gs://``)
-are refused with :class:`~snapsvc.errors.PathError` at save, load and
-removal: they belong to a remote tier (a ``remote=`` option), which this
+are refused with :class:`~snapsvc.errors.PathError` when ``fit`` starts
+(a ``ModelCheckpoint`` directory), and at save, load and removal: they belong to a remote tier (a ``remote=`` option), which this
 version does not have, and writing them under a local folder named ``s3:``
 would lose them. A symlink (``ModelCheckpoint(save_last="link")``) is read
 through to the checkpoint it points at.
