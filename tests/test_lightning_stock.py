@@ -67,8 +67,8 @@ def trainer(io: str, callbacks: list, **kwargs: Any) -> Any:
     plugins = [SnapsvcCheckpointIO(**kwargs.pop("io_options", {}))] if io == "snapsvc" else []
     return pl.Trainer(accelerator="cpu", devices=1, plugins=plugins, callbacks=callbacks, logger=False,
                       enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-                      **kwargs)
+                      enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint)
+                                               for c in callbacks), **kwargs)
 
 
 def read(io: str, path: str) -> dict:

@@ -63,10 +63,11 @@ hyper-parameter dict of one's own with that key is refused.
 Paths. Lightning's paths resolve against the working directory, as with its
 own IO; ``file://`` URLs are local paths. Other URLs (``s3://``, ``gs://``)
 are refused with :class:`~snapsvc.errors.PathError` when ``fit`` starts
-(a ``ModelCheckpoint`` directory), and at save, load and removal: they belong to a remote tier (a ``remote=`` option), which this
-version does not have, and writing them under a local folder named ``s3:``
-would lose them. A symlink (``ModelCheckpoint(save_last="link")``) is read
-through to the checkpoint it points at.
+(a ``ModelCheckpoint`` directory), and at save, load and removal: they
+belong to a remote tier (a ``remote=`` option), which this version does not
+have, and writing them under a local folder named ``s3:`` would lose them.
+A symlink (``ModelCheckpoint(save_last="link")``) is read through to the
+checkpoint it points at.
 
 Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
 0's pending write of that path, then for every rank (``torch.distributed``
@@ -408,6 +409,10 @@ def _dataclass(v: dict, where: str) -> Any:
     return obj
 
 
+def _is_enum(c: Any) -> bool:
+    return isinstance(c, type) and issubclass(c, enum.Enum)
+
+
 def _torch_dtype(v: dict, where: str) -> torch.dtype:
     dtype = getattr(torch, v["value"], None)
     if not isinstance(dtype, torch.dtype):
@@ -423,7 +428,7 @@ _DECODERS: dict[str, Callable[[dict, str], Any]] = {
     "torch.dtype": _torch_dtype,
     "torch.device": lambda v, w: torch.device(v["value"]),
     "namespace": lambda v, w: argparse.Namespace(**_decode(v["attrs"], w)),
-    "enum": lambda v, w: _find_class(v["cls"], w, lambda c: isinstance(c, type) and issubclass(c, enum.Enum))[v["name"]],
+    "enum": lambda v, w: _find_class(v["cls"], w, _is_enum)[v["name"]],
     "dataclass": _dataclass,
 }
 
@@ -447,7 +452,8 @@ def _file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
         # Asked before the file system, so a write landing in between is seen by one or the
         # other; reduced across ranks as Lightning reduces its own answer (rank 0 saves).
         pending = trainer.is_global_zero and io.pending(filepath)
-        return trainer.strategy.reduce_boolean_decision(pending, all=False) or original(self, filepath, trainer)
+        return (trainer.strategy.reduce_boolean_decision(pending, all=False)
+                or original(self, filepath, trainer))
     return file_exists
 
 
