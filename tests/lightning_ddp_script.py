@@ -1,0 +1,49 @@
+"""Two-rank Lightning DDP on CPU: fit, trainer.save_checkpoint(p), trainer.validate(ckpt_path=p).
+
+    python lightning_ddp_script.py IO DIR      (IO: snapsvc or default)
+
+Lightning's launcher re-runs this script for rank 1. With IO=snapsvc the write of
+``p`` is held 2 s in rank 0's sidecar, so a rank that reads before it lands fails.
+Each rank writes ``rank<N>.json`` in DIR: the sums of the weights it saved and validated.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+
+import lightning.pytorch as pl
+
+from test_lightning_stock import Lit, data
+
+
+def main(io: str, directory: str) -> None:
+    plugins = []
+    if io == "snapsvc":
+        import hooks
+        from snapsvc.lightning import SnapsvcCheckpointIO
+        plugins = [SnapsvcCheckpointIO(fault_hook=functools.partial(hooks.sleep, 2.0))]
+    torch.manual_seed(0)
+    model = Lit()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=plugins, max_epochs=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    trainer.fit(model, data())
+    saved = sum(float(p.detach().sum()) for p in model.parameters())
+    path = os.path.join(directory, "manual.ckpt")
+    trainer.save_checkpoint(path)
+    with torch.no_grad():  # a rank that did not load the checkpoint keeps these
+        for p in model.parameters():
+            p.zero_()
+    trainer.validate(model, data(), ckpt_path=path, verbose=False)
+    loaded = sum(float(p.detach().sum()) for p in model.parameters())
+    with open(os.path.join(directory, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"saved": saved, "validated": loaded}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
