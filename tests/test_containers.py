@@ -188,3 +188,55 @@ def test_extra_of_a_model_submit_keeps_its_containers(writer):
     writer.submit(model, "extra.fdl", extra=extra).result(timeout=60)
     report = snapsvc.restore(f"{writer.directory}/extra.fdl", nn.Linear(2, 2))
     _same(report.extra, extra, "extra")
+
+
+def _fields(path: str) -> tuple[dict, dict]:
+    import msgpack
+    with open(path + ".meta", "rb") as f:
+        outer = msgpack.unpackb(f.read(), strict_map_key=False)
+    return outer, msgpack.unpackb(outer["fields"], strict_map_key=False)
+
+
+def _rewrite(path: str, outer: dict, fields: dict) -> None:
+    import zlib
+
+    import msgpack
+    outer["fields"] = msgpack.packb(fields, use_bin_type=True)
+    outer["crc32"] = zlib.crc32(outer["fields"])
+    with open(path + ".meta", "wb") as f:
+        f.write(msgpack.packb(outer, use_bin_type=True))
+
+
+def test_the_kinds_are_a_field_of_their_own_and_the_tree_stays_plain(writer):
+    """A reader that does not know the kinds (an older snapsvc) reads plain dicts; a file
+    without the field reads as before."""
+    writer.submit({"c": Counter({5: 2}), "l": [OrderedDict(a=1)]}, "plain.fdl").result(timeout=60)
+    path = f"{writer.directory}/plain.fdl"
+    outer, fields = _fields(path)
+    assert fields["state"]["c"] == {5: 2} and fields["state"]["l"] == [{"a": 1}]
+    assert fields["kinds"] == [["state", ["c"], "Counter", None],
+                               ["state", ["l", 0], "OrderedDict", None]]
+    del fields["kinds"]   # as an older snapsvc wrote it
+    _rewrite(path, outer, fields)
+    _same(snapsvc.load(path), {"c": {5: 2}, "l": [{"a": 1}]}, "state")
+    writer.submit({"c": {1: 2}}, "nokinds.fdl").result(timeout=60)
+    assert "kinds" not in _fields(f"{writer.directory}/nokinds.fdl")[1]
+
+
+@pytest.mark.parametrize("kinds", [
+    [["state", ["missing"], "Counter", None]],        # names no map of the tree
+    [["state", ["c"], "set", None]],                  # not a kind snapsvc builds
+    [["state", ["c"], "defaultdict", "os.system"]],   # not a factory snapsvc builds
+    [["state", ["c"], "Counter", "list"]],            # a factory for a Counter
+    [["other", ["c"], "Counter", None]],              # not a field of the metadata
+    [["state", [1.5], "Counter", None]],              # a key of another type
+    {"state": "c"},                                   # not a list
+], ids=["no-such-map", "kind", "factory", "counter-factory", "root", "key", "shape"])
+def test_a_hostile_kinds_table_is_a_format_error(writer, kinds):
+    writer.submit({"c": Counter({5: 2})}, "hostile.fdl").result(timeout=60)
+    path = f"{writer.directory}/hostile.fdl"
+    outer, fields = _fields(path)
+    fields["kinds"] = kinds
+    _rewrite(path, outer, fields)
+    with pytest.raises(snapsvc.FormatError, match="kinds"):
+        snapsvc.load(path)

@@ -36,7 +36,7 @@ import torch
 
 from ..files.durable import set_aside, set_fault_hook, unlink_quietly
 from ..files.meta import Meta, meta_path, optim_path, write_with_meta
-from ..format import fdl, protocol
+from ..format import fdl, kinds, protocol
 from ..format.layout import BUFFER, Layout, OPTIM
 from . import staging
 
@@ -136,6 +136,7 @@ class _Sidecar:
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
         body = protocol.unpack_value(msg["body"])  # packed and checked at submit
+        body.update(kinds.join({r: body.get(r) for r in ("state", "extra")}, body["kinds"]))
         meta = Meta(buffers=slot.buffers, epoch=body["epoch"], metrics=body["metrics"],
                     structural_hash=slot.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),
