@@ -54,18 +54,39 @@ def scenario_save(rank: int, world: int, tmp: str) -> dict:
     plain = _plain(1)
     popt = torch.optim.Adam(plain.parameters(), lr=0.01)
     _train(plain, popt)
-    with snapsvc.DistributedSnapshotWriter(os.path.join(tmp, "ckpt"), coord_timeout=60) as w:
+    ckpt = os.path.join(tmp, "ckpt")
+    with snapsvc.DistributedSnapshotWriter(ckpt, coord_timeout=60) as w:
         w.submit(sharded, 1, optimizer=opt, epoch=1).result(timeout=60)
         w.submit(plain, 2, optimizer=popt, epoch=2).result(timeout=60)
-    return {"ok": True}
+        # moved away (SnapsvcTrainer renames each to checkpoint-<N>), then saved again,
+        # as a trainer resumed from an earlier checkpoint does (issue 21, 8)
+        os.rename(os.path.join(ckpt, "step_2"), os.path.join(tmp, "moved_step_2"))
+        w.submit(plain, 2, optimizer=popt, epoch=2).result(timeout=60)
+        try:   # committed, and still there: its files must not change under its manifest
+            w.submit(plain, 1, optimizer=popt)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+    return {"ok": True, "refused": refused}
 
 
 @pytest.fixture(scope="module")
-def world1(tmp_path_factory):
+def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("world1")
     codes, results = run_world(tmp, 1, scenario_save)
-    assert codes == [0] and results == [{"ok": True}]
-    return tmp / "ckpt"
+    assert codes == [0] and results[0]["ok"]
+    return tmp, results[0]
+
+
+@pytest.fixture
+def world1(world):
+    return world[0] / "ckpt"
+
+
+def test_a_step_is_saved_again_once_resolved_unless_committed(world):
+    tmp, result = world
+    assert (tmp / "ckpt" / "step_2" / "manifest.msgpack").exists()
+    assert result["refused"] is not None and "complete checkpoint" in result["refused"]
 
 
 def _copy(world1, tmp_path):

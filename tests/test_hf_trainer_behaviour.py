@@ -130,6 +130,7 @@ def dist_second_train(out: str, result: str) -> None:
             save_file(weights(t.model), f"{result}.{kind}")
 
 
+@pytest.mark.slow   # 2 processes, 4 train() runs; the writer's rule is also in test_dist_cli
 @pytest.mark.timeout(300)
 def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
     """The second train() re-saves checkpoint-6 as the stock Trainer does, instead of

@@ -190,7 +190,6 @@ class DistributedSnapshotWriter:
         self._broken: DistributedCheckpointError | None = None
         self._closed = False
         self._seq = 0
-        self._last_step: int | None = None
         self._counts = {"submitted": 0, "committed": 0, "failed": 0}
         self._host = socket.gethostname()
 
@@ -266,8 +265,10 @@ class DistributedSnapshotWriter:
                extra: Any = None) -> DistributedWriteHandle:
         """Stage this rank's part of checkpoint ``step``; return once it is copied.
 
-        Every rank must submit the same steps, in the same order, with
-        increasing step numbers. No collective runs here. The handle resolves
+        Every rank must submit the same steps, in the same order, each
+        greater than the steps still pending; a step may come again once its
+        earlier checkpoint resolved, unless it is committed (its directory
+        holds a manifest). No collective runs here. The handle resolves
         once rank 0 committed the manifest (on every rank), or fails on every
         rank. ``metrics``/``epoch``/``extra`` go to this rank's metadata;
         rank 0's metrics and epoch also to the manifest. If this raises
@@ -286,16 +287,19 @@ class DistributedSnapshotWriter:
         with self._lock:
             self._seq += 1
             handle = DistributedWriteHandle(self._seq, d, step, self.rank, os.path.join(d, name))
+            pending = max((h.step for h in self._unresolved.values()), default=None)
             self._unresolved[handle.seq] = handle
         self._counts["submitted"] += 1
         item = _Item(handle, step, started, metrics, epoch)
         try:
             if step < 0:
                 raise ValueError(f"step must be >= 0, got {step}")
-            if self._last_step is not None and step <= self._last_step:
-                raise ValueError(f"step {step} after step {self._last_step}: steps must increase "
-                                 "(a step's files must not change under a manifest)")
-            self._last_step = step
+            # Increasing while earlier ones are in flight (one step's files, one writer at a
+            # time); once they resolved, a step may come again (a trainer resumed from an
+            # earlier checkpoint) unless its directory holds a manifest, checked next.
+            if pending is not None and step <= pending:
+                raise ValueError(f"step {step} after step {pending}, which is still being "
+                                 "written: steps must increase")
             if os.path.exists(os.path.join(d, MANIFEST_NAME)):
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
