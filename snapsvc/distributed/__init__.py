@@ -8,7 +8,8 @@ What each module holds::
     pieces.py       reading pieces back: global tensors, ranged CRC-checked reads
     writer.py       DistributedSnapshotWriter and its coordinator thread
     restore.py      restore_distributed: per rank, or resharded at any world size
-    consolidate.py  a sharded checkpoint's whole model as one .fdl
+    consolidate.py  a sharded checkpoint's whole model as one .fdl (.safetensors, .pt)
+    verify.py       a step directory checked as a whole: manifest and every rank's files
 
 Imports: the engine (the per-rank ``SnapshotWriter``), ``state``, ``files``,
 ``format`` and ``errors``; nothing above (integrations, cli).

@@ -207,7 +207,23 @@ def _create_temp(path: str) -> tuple[int, str]:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
+        except OSError as e:  # the destination's, not the temp name's: the user knows that one
+            raise _for_destination(e, path) from None
     raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
+
+
+def _for_destination(e: OSError, path: str) -> OSError:
+    """``e``, raised for a temp file beside ``path``, as about ``path`` or its directory."""
+    if e.errno == errno.ENOENT:
+        name = os.path.basename(path)
+        return FileNotFoundError(errno.ENOENT, f"no such directory to write {name} in (create "
+                                 "it first)", os.path.dirname(path))
+    if e.errno == errno.EISDIR:
+        return IsADirectoryError(errno.EISDIR, "is a directory; give a file name", path)
+    if e.errno == errno.ENOTDIR:
+        return NotADirectoryError(errno.ENOTDIR, "a part of the directory is not a directory",
+                                  path)
+    return type(e)(e.errno, e.strerror, path)
 
 
 def set_aside(path: str) -> str | None:
@@ -251,6 +267,8 @@ def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     """
     path = os.fspath(path)
     check_final_name(path)
+    if os.path.isdir(path):   # refused before the data is written, not at the rename
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name", path)
     _fault("open", path)
     fd, tmp = _create_temp(os.path.abspath(path))
     try:
@@ -286,7 +304,10 @@ def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
                 old = set_aside(f.path)
                 if old is not None:
                     trash.append(old)
-            os.replace(f.tmp_path, f.path)
+            try:
+                os.replace(f.tmp_path, f.path)
+            except OSError as e:
+                raise _for_destination(e, f.path) from e
         except BaseException:
             discard(*files[i:])
             raise
