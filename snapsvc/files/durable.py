@@ -207,14 +207,18 @@ def _create_temp(path: str) -> tuple[int, str]:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
-        except OSError as e:  # the destination's, not the temp name's: the user knows that one
-            raise _for_destination(e, path) from None
+        except OSError as e:  # named by the destination, the name the user knows
+            better = _for_destination(e, path)
+            if better is e:
+                raise
+            raise better from None
     raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
 
 
 def _for_destination(e: OSError, path: str) -> OSError:
-    """``e``, raised for a temp file beside ``path``, as about ``path`` or its directory."""
-    if e.errno == errno.ENOENT:
+    """``e``, raised for a temp file beside ``path``, as about ``path`` or its directory
+    (``e`` itself when the temp file is what is wrong: a vanished temp, say)."""
+    if e.errno == errno.ENOENT and not os.path.isdir(os.path.dirname(path)):
         name = os.path.basename(path)
         return FileNotFoundError(errno.ENOENT, f"no such directory to write {name} in (create "
                                  "it first)", os.path.dirname(path))
@@ -223,7 +227,7 @@ def _for_destination(e: OSError, path: str) -> OSError:
     if e.errno == errno.ENOTDIR:
         return NotADirectoryError(errno.ENOTDIR, "a part of the directory is not a directory",
                                   path)
-    return type(e)(e.errno, e.strerror, path)
+    return e
 
 
 def set_aside(path: str) -> str | None:
@@ -307,7 +311,10 @@ def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
             try:
                 os.replace(f.tmp_path, f.path)
             except OSError as e:
-                raise _for_destination(e, f.path) from e
+                better = _for_destination(e, f.path)
+                if better is e:
+                    raise
+                raise better from e
         except BaseException:
             discard(*files[i:])
             raise
