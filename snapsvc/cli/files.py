@@ -198,12 +198,14 @@ def _part_of(path: str) -> tuple[str, str] | None:
 
 
 def _is_step(path: str) -> bool:
-    """Whether ``path`` is a multi-rank checkpoint: a step directory, or its manifest."""
-    if os.path.isdir(path):
-        return True
-    if not path.endswith(".msgpack"):
+    """Whether ``path`` is a multi-rank checkpoint: a step directory (a manifest in it, or
+    named ``step_<N>``: one without is incomplete), or its manifest."""
+    if not os.path.isdir(path) and not path.endswith(".msgpack"):
         return False
-    from ..distributed import MANIFEST_NAME
+    from ..distributed.manifest import _STEP_RE, MANIFEST_NAME
+    if os.path.isdir(path):
+        return bool(_STEP_RE.match(os.path.basename(os.path.abspath(path)))) \
+            or os.path.exists(os.path.join(path, MANIFEST_NAME))
     return os.path.basename(path) == MANIFEST_NAME
 
 
