@@ -729,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
                        "import_torch_s": torch_s}, f, indent=1)
     if args.plot:
         print(plot(rows, args.plot))
+    cells = rows + ([writer] if writer is not None else [])
+    failed = [f"{r['model']} {r['method']}" for r in cells if "error" in r]
+    if failed:   # the table and files are written all the same; a script must see it
+        print(f"# {len(failed)} of {len(cells)} cells failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "PathError",
+    "CheckpointNotFoundError",
 ]
 
 
@@ -141,3 +142,13 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
 class PathError(SnapsvcError, ValueError):
     """A checkpoint path that cannot be written as given (e.g. a file name longer
     than the file system allows); raised before anything is written."""
+
+
+class CheckpointNotFoundError(SnapsvcError, FileNotFoundError):
+    """No checkpoint at the path given: neither the file nor its metadata (nor, for a
+    multi-rank checkpoint, its step directory) exists. ``filename`` is the path.
+
+    A ``FileNotFoundError``, as Lightning's and torch's own loaders raise; a
+    checkpoint file without its metadata is an unfinished write instead
+    (:class:`FormatError`).
+    """

@@ -176,7 +176,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 # -- verify -------------------------------------------------------------------------
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", metavar="FILE", nargs="+", help=".fdl or .fdl.gz checkpoints")
+    p.add_argument("files", metavar="FILE", nargs="+", help=".fdl or .fdl.gz checkpoints, or "
+                   "step_<N> directories of multi-rank checkpoints")
     p.add_argument("--no-meta", action="store_true",
                    help="do not require <FILE>.meta (still checked when present)")
 
@@ -196,11 +197,25 @@ def _part_of(path: str) -> tuple[str, str] | None:
     return None
 
 
+def _is_step(path: str) -> bool:
+    """Whether ``path`` is a multi-rank checkpoint: a step directory (a manifest in it, or
+    named ``step_<N>``: one without is incomplete), or its manifest."""
+    if not os.path.isdir(path) and not path.endswith(".msgpack"):
+        return False
+    from ..distributed.manifest import _STEP_RE, MANIFEST_NAME
+    if os.path.isdir(path):
+        return bool(_STEP_RE.match(os.path.basename(os.path.abspath(path)))) \
+            or os.path.exists(os.path.join(path, MANIFEST_NAME))
+    return os.path.basename(path) == MANIFEST_NAME
+
+
 @register("verify", help="check checkpoints' structure, size and CRC-32",
           description="Check each checkpoint's structure and, from its <FILE>.meta, its size, "
           "CRC-32, entry count and hash, and those of its optimizer file. A .meta or "
           "optimizer file given on its own is checked as part of its checkpoint (so "
-          "'verify checkpoints/*' works). Prints one line per file (OK) or per problem; exits "
+          "'verify checkpoints/*' works). A multi-rank checkpoint's step_<N> directory, or "
+          "its manifest.msgpack, is checked as a whole: the manifest, and every rank's files "
+          "against their metadata and the manifest (so 'verify step_<N>/*' works too). Prints one line per file (OK) or per problem; exits "
           "1 if any file fails.", arguments=_verify_arguments)
 def _verify(args: argparse.Namespace) -> int:
     reports: dict[str, VerifyReport] = {}  # by checkpoint: each is read once
@@ -210,6 +225,14 @@ def _verify(args: argparse.Namespace) -> int:
     with ProgressBar(unit="files") as bar:
         for i, path in enumerate(args.files):
             bar(f"verifying {os.path.basename(path)}", i, n)
+            if _is_step(path):
+                from ..distributed.verify import verify_step  # torch.distributed when needed
+                step = verify_step(path)
+                reports.update((r.path, r) for r in step.ranks)
+                bar.clear()
+                print(step, flush=True)
+                failed += not step.ok
+                continue
             part = _part_of(path)
             owner = path if part is None else part[0]
             first = owner not in reports

@@ -107,16 +107,23 @@ def _migrate(args: argparse.Namespace) -> int:
 def _consolidate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("step_dir", metavar="STEP_DIR",
                    help="a complete step_<N> directory saved from a sharded (FSDP2/DTensor) model")
-    p.add_argument("dst", metavar="DST", help="the .fdl or .fdl.gz to write")
+    p.add_argument("dst", metavar="DST", help="the .fdl, .fdl.gz, .safetensors, .pt or .pth "
+                   "to write")
 
 
-@register("consolidate", help="merge a sharded multi-rank checkpoint into one .fdl",
+@register("consolidate", help="merge a sharded multi-rank checkpoint into one file",
           description="Write the full, unsharded model of a sharded checkpoint (STEP_DIR, "
           "written by DistributedSnapshotWriter from FSDP2/DTensor parameters) to DST under the "
-          "model's own names, with DST.meta and, when the optimizer was saved, its .optim.fdl "
-          "beside it. Every piece is checked against the manifest's CRC-32 first; DST is "
-          "written atomically. Prints DST.", arguments=_consolidate_arguments)
+          "model's own names, in the format DST's suffix names. A .fdl/.fdl.gz DST gets DST.meta "
+          "and, when the optimizer was saved, its .optim.fdl beside it; a .safetensors or .pt "
+          "DST holds the model's tensors only. Every piece is checked against the manifest's "
+          "CRC-32 first; DST is written atomically. Prints DST.",
+          arguments=_consolidate_arguments)
 def _consolidate(args: argparse.Namespace) -> int:
     from ..distributed import consolidate  # torch.distributed only when needed
+    try:
+        file_format(args.dst)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     print(consolidate(args.step_dir, args.dst))
     return EXIT_OK

@@ -49,7 +49,8 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
 @register("bench", help="run the stall benchmark against the peers and write the plot",
           description="Run benchmarks/stall.py from the source checkout snapsvc is installed "
           "from: torch.save, a thread-based async save, DCP async_save and snapsvc, same "
-          "models, one run.", arguments=_bench_arguments)
+          "models, one run. Exits 1 when a (model, method) cell failed (the table and files are "
+          "written all the same).", arguments=_bench_arguments)
 def _bench(args: argparse.Namespace) -> int:
     import subprocess
 

@@ -10,7 +10,8 @@ What each module holds::
     commit.py       Coordinator: this rank's thread, one exchange and commit per checkpoint
     writer.py       DistributedSnapshotWriter: submit, start, close
     restore.py      restore_distributed: per rank, or resharded at any world size
-    consolidate.py  a sharded checkpoint's whole model as one .fdl
+    consolidate.py  a sharded checkpoint's whole model as one .fdl (.safetensors, .pt)
+    verify.py       a step directory checked as a whole: manifest and every rank's files
 
 Imports: the engine (the per-rank ``SnapshotWriter``), ``state``, ``files``,
 ``format`` and ``errors``; nothing above (integrations, cli).

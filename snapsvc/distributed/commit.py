@@ -73,6 +73,11 @@ class Coordinator:
         self.counts["submitted"] += 1
         return handle
 
+    def newest_pending(self) -> int | None:
+        """The highest step still being coordinated, or None."""
+        with self.lock:
+            return max((h.step for h in self.unresolved.values()), default=None)
+
     def stop(self, timeout: float | None) -> bool:
         """Finish what is queued; True if the thread ended within ``timeout``.
         Past it, every handle still unresolved fails."""

@@ -1,23 +1,29 @@
-"""``consolidate``: a sharded checkpoint's full, unsharded model as one ``.fdl``.
+"""``consolidate``: a sharded checkpoint's full, unsharded model as one ``.fdl``
+(or ``.safetensors`` / ``.pt``, the model's tensors only).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import torch
 
 from ..files.checkpoint import layout_hash
 from ..errors import FormatError
+from ..files.convert import TensorFile, file_format, write_tensors
 from ..files.meta import Meta, optim_path, read_meta, write_with_meta
 from .manifest import read_manifest
 from .pieces import _PieceReader, _globals, _sizes, _user_extra
 
 __all__ = ["consolidate"]
 
+log = logging.getLogger("snapsvc")
+
 
 def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 compress_level: int | None = None) -> str:
-    """Write a sharded checkpoint's full, unsharded model as one flodl ``.fdl``.
+    """Write a sharded checkpoint's full, unsharded model as one file, in the format
+    ``dst``'s suffix names.
 
     ``step`` is a complete ``step_<N>`` directory saved from a sharded model
     (FSDP2, DTensor). ``dst`` gets the global tensors under the model's own
@@ -27,7 +33,14 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     loads it into a plain model and optimizer. Every piece is checked against
     the manifest's CRC-32 first. Holds the whole model in memory. Returns
     ``dst``'s absolute path.
+
+    ``.safetensors`` and ``.pt`` (``.pth``) get the model's tensors only, as
+    :func:`snapsvc.convert_file` writes them (the structural hash in
+    ``.safetensors``' metadata); the optimizer state, epoch, metrics and extra
+    are not written, and a warning says so. Any other suffix is a
+    ``ValueError`` before anything is read.
     """
+    kind = file_format(dst)   # an unknown suffix: refused before any work
     m = read_manifest(step)
     if m.sharded is None:
         raise ValueError(f"{m.path} was not saved from a sharded model: each rank<r> file "
@@ -47,6 +60,11 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         info = m.sharded.get("optimizer")
         optim = whole([n for n, g in saved.items() if g.kind == "optim"]) if info else None
     meta0 = read_meta(os.path.join(m.path, m.ranks[0].file))
+    if kind != "fdl":
+        log.warning("%s: a .%s file holds the model's tensors only; the optimizer state, "
+                    "epoch, metrics and extra are kept in .fdl only", dst, kind)
+        write_tensors(dst, TensorFile(params + buffers, layout_hash(params, buffers)))
+        return dst
     meta = Meta(buffers=[n for n, _ in buffers], epoch=int(m.epoch or 0), metrics=m.metrics,
                 structural_hash=layout_hash(params, buffers), extra=_user_extra(meta0.extra),
                 optimizer=info)

@@ -17,6 +17,7 @@ CRC-32. :func:`latest_checkpoint` returns only complete checkpoints.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any
 
 from ..files.durable import atomic_write, fsync_dir
 from ..format import fdl
-from ..errors import FormatError
+from ..errors import CheckpointNotFoundError, FormatError
 from ..files.meta import meta_path, read_msgpack_file
 from ..format.protocol import pack_value
 
@@ -105,10 +106,12 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Decode the manifest of a step directory (or the manifest file itself).
 
     Raises :class:`FormatError` when it is missing (an incomplete checkpoint)
-    or malformed. Does not look at the rank files; :func:`latest_checkpoint`
+    or malformed, :class:`CheckpointNotFoundError` when ``path`` does not exist. Does not look at the rank files; :func:`latest_checkpoint`
     does.
     """
     path = os.path.abspath(os.fspath(path))
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(errno.ENOENT, "no such step directory", path)
     if os.path.isdir(path):
         directory, mpath = path, os.path.join(path, MANIFEST_NAME)
     else:

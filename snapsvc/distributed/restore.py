@@ -83,6 +83,8 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
 def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      rank: int, strict: bool, verify: bool) -> LoadReport:
     saved = _globals(m)
+    # read before anything changes: a corrupt metadata file must leave the model as it was
+    meta = read_meta(os.path.join(m.path, m.ranks[min(rank, m.world_size - 1)].file))
     report = LoadReport()
     model_kinds = ("param", "buffer")
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -134,7 +136,6 @@ def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optim
             (dst.to_local() if _is_dtensor(dst) else dst).copy_(src)
     if optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
-    meta = read_meta(os.path.join(m.path, m.ranks[min(rank, m.world_size - 1)].file))
     report.epoch, report.metrics = meta.epoch, dict(meta.metrics)
     report.extra = _user_extra(meta.extra)
     return report

@@ -119,7 +119,6 @@ class DistributedSnapshotWriter:
                                   self.world_size, self.coord_timeout, self.write_timeout)
         self._started = False
         self._closed = False
-        self._last_step: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "DistributedSnapshotWriter":
@@ -179,8 +178,10 @@ class DistributedSnapshotWriter:
                extra: Any = None) -> DistributedWriteHandle:
         """Stage this rank's part of checkpoint ``step``; return once it is copied.
 
-        Every rank must submit the same steps, in the same order, with
-        increasing step numbers. No collective runs here. The handle resolves
+        Every rank must submit the same steps, in the same order, each
+        greater than the steps still pending; a step may come again once its
+        earlier checkpoint resolved, unless it is committed (its directory
+        holds a manifest). No collective runs here. The handle resolves
         once rank 0 committed the manifest (on every rank), or fails on every
         rank. ``metrics``/``epoch``/``extra`` go to this rank's metadata;
         rank 0's metrics and epoch also to the manifest. If this raises
@@ -196,15 +197,18 @@ class DistributedSnapshotWriter:
         self.start()
         d = step_dir(self.directory, step)
         name = _rank_file(self.rank, self.compressed)
+        pending = self._coord.newest_pending()
         handle = self._coord.handle(d, step, os.path.join(d, name))
         item = _Item(handle, step, started, metrics, epoch)
         try:
             if step < 0:
                 raise ValueError(f"step must be >= 0, got {step}")
-            if self._last_step is not None and step <= self._last_step:
-                raise ValueError(f"step {step} after step {self._last_step}: steps must increase "
-                                 "(a step's files must not change under a manifest)")
-            self._last_step = step
+            # Increasing while earlier ones are in flight (one step's files, one writer at a
+            # time); once they resolved, a step may come again (a trainer resumed from an
+            # earlier checkpoint) unless its directory holds a manifest, checked next.
+            if pending is not None and step <= pending:
+                raise ValueError(f"step {step} after step {pending}, which is still being "
+                                 "written: steps must increase")
             if os.path.exists(os.path.join(d, MANIFEST_NAME)):
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")

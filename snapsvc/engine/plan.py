@@ -21,7 +21,7 @@ from ..errors import EncodeError, PathError
 from ..files.checkpoint import layout_hash, persistent_buffers
 from ..files.durable import check_final_name
 from ..files.meta import meta_path
-from ..format import fdl, protocol
+from ..format import fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
 from ..state.tree import flatten
@@ -149,6 +149,8 @@ def pack_body(path: str, reserved: int, **values: Any) -> bytes:
     checksums and the buffer names), so a value accepted here is one that
     can be written and read back. ``reserved``: bytes the sidecar adds.
     """
+    trees, records = kinds.split({r: values[r] for r in ("state", "extra") if r in values})
+    values.update(trees, kinds=records)   # the sidecar joins them back (worker.py)
     try:
         body = protocol.pack_value(values)
     except (TypeError, ValueError, OverflowError) as e:  # checked already: a bug if it happens

@@ -18,7 +18,7 @@ import torch
 
 from ..files.durable import set_aside
 from ..files.meta import Meta, meta_path, optim_path, write_with_meta
-from ..format import fdl, protocol
+from ..format import fdl, kinds, protocol
 from ..format.layout import BUFFER, Layout, OPTIM
 from . import staging
 
@@ -97,6 +97,7 @@ class Files:
         away go to ``trash``, to be freed once the report is out."""
         path = msg["path"]
         body = protocol.unpack_value(msg["body"])  # packed and checked at submit
+        body.update(kinds.join({r: body.get(r) for r in ("state", "extra")}, body["kinds"]))
         meta = Meta(buffers=enc.buffers, epoch=body["epoch"], metrics=body["metrics"],
                     structural_hash=enc.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),

@@ -208,7 +208,27 @@ def _create_temp(path: str) -> tuple[int, str]:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
+        except OSError as e:  # named by the destination, the name the user knows
+            better = _for_destination(e, path)
+            if better is e:
+                raise
+            raise better from None
     raise FileExistsError(errno.EEXIST, "no unused temp file name", tmp)
+
+
+def _for_destination(e: OSError, path: str) -> OSError:
+    """``e``, raised for a temp file beside ``path``, as about ``path`` or its directory
+    (``e`` itself when the temp file is what is wrong: a vanished temp, say)."""
+    if e.errno == errno.ENOENT and not os.path.isdir(os.path.dirname(path)):
+        name = os.path.basename(path)
+        return FileNotFoundError(errno.ENOENT, f"no such directory to write {name} in (create "
+                                 "it first)", os.path.dirname(path))
+    if e.errno == errno.EISDIR:
+        return IsADirectoryError(errno.EISDIR, "is a directory; give a file name", path)
+    if e.errno == errno.ENOTDIR:
+        return NotADirectoryError(errno.ENOTDIR, "a part of the directory is not a directory",
+                                  path)
+    return e
 
 
 def set_aside(path: str) -> str | None:
@@ -252,6 +272,8 @@ def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
     """
     path = os.fspath(path)
     check_final_name(path)
+    if os.path.isdir(path):   # refused before the data is written, not at the rename
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name", path)
     _fault("open", path)
     fd, tmp = _create_temp(os.path.abspath(path))
     try:
@@ -293,8 +315,10 @@ def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
             old = set_aside(f.path)
             try:
                 os.replace(f.tmp_path, f.path)
-            except BaseException:
+            except BaseException as e:
                 unlink_quietly([old] if old is not None else [])
+                if isinstance(e, OSError) and (better := _for_destination(e, f.path)) is not e:
+                    raise better from e
                 raise
             done.append((f, old))
         for directory in dict.fromkeys(os.path.dirname(f.path) for f in files):

@@ -13,6 +13,7 @@ the latest snapshot.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -21,8 +22,8 @@ from typing import Any
 import torch
 from isal import isal_zlib
 
-from ..errors import FormatError
-from ..format import fdl
+from ..errors import CheckpointNotFoundError, FormatError
+from ..format import fdl, kinds
 from ..format.protocol import MAX_METADATA, pack_value, unpack_value
 from .checkpoint import FileStats, stage_checkpoint_file
 from .durable import DurableFile, commit, discard, staged_write
@@ -36,6 +37,11 @@ META_MAGIC = "snapsvc-meta"
 # checked by their own CRC-32, so a corrupt value is never read back silently
 META_VERSION = 2
 _READS = (1, META_VERSION)
+# Which maps of the value trees are Counter, OrderedDict or defaultdict
+# (snapsvc.format.kinds): a field of its own, so readers without it still read
+# every file, as plain dicts.
+KINDS_FIELD = "kinds"
+_TREES = ("state", "extra")
 
 
 def meta_path(checkpoint: str | os.PathLike[str]) -> str:
@@ -72,7 +78,12 @@ class Meta:
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
     """``meta`` in a fsynced temp file beside ``checkpoint``, to be committed after it."""
-    fields = pack_value({f: getattr(meta, f) for f in Meta.__dataclass_fields__})
+    values = {f: getattr(meta, f) for f in Meta.__dataclass_fields__}
+    trees, records = kinds.split({r: values[r] for r in _TREES})
+    values.update(trees)
+    if records:   # absent when every map is a plain dict: such files are as before
+        values[KINDS_FIELD] = records
+    fields = pack_value(values)
     body = pack_value({"magic": META_MAGIC, "meta_version": META_VERSION,
                        "crc32": isal_zlib.crc32(fields), "fields": fields})
     if len(body) > MAX_METADATA:  # the client checks this at submit; a direct caller gets it here
@@ -153,8 +164,12 @@ def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str,
 
 
 def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
-    """Read the metadata of ``checkpoint``; FormatError if absent or malformed."""
+    """Read the metadata of ``checkpoint``; FormatError if absent or malformed,
+    :class:`CheckpointNotFoundError` if the checkpoint is absent too."""
     path = meta_path(checkpoint)
+    if not os.path.lexists(path) and not os.path.lexists(checkpoint):  # a typo, not a crash
+        raise CheckpointNotFoundError(errno.ENOENT, "no such checkpoint (neither the file "
+                                      "nor its .meta exists)", os.fspath(checkpoint))
     raw = read_msgpack_file(
         path, what="metadata", magic=META_MAGIC, version_key="meta_version",
         version=_READS, missing="no metadata file: the checkpoint is an unfinished "
@@ -171,6 +186,10 @@ def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
         if not isinstance(raw, dict):
             raise FormatError("metadata fields are not a map", path=path)
     fields = {k: raw[k] for k in Meta.__dataclass_fields__ if k in raw}
+    try:
+        fields.update(kinds.join({r: fields.get(r) for r in _TREES}, raw.get(KINDS_FIELD)))
+    except ValueError as e:
+        raise FormatError(f"metadata field {KINDS_FIELD!r}: {e}", path=path) from None
     try:
         return Meta(**fields)
     except TypeError as e:

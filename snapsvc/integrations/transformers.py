@@ -42,6 +42,15 @@ pending commits (``_finalize_training`` drains first).
 the parameters and optimizer state are copied; the trainer guards its
 optimizer so that the next step waits for the copy.
 
+Callbacks. ``on_save`` runs right after a save returns, and callbacks read
+``checkpoint-<N>`` there (transformers' ``WandbCallback``, ``MLflowCallback``,
+``ClearMLCallback``, ``NeptuneCallback`` and ``FlyteCallback`` upload it). When
+a callback overrides ``on_save``, the save waits until its directory is
+committed, so the callback finds it complete, as with the stock Trainer: such
+runs stall for the write; the default callbacks do not override it. Under
+torchrun the main process renames the directory, so only its callbacks are
+sure to see it (the integrations above upload from the main process only).
+
 Errors. A failed write (disk error, dead sidecar) removes its hidden
 directory and raises at the next save, or when training ends, as
 :class:`WriteFailedError`, :class:`BrokenWriterError` or (several
@@ -84,7 +93,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 from transformers.training_args import ParallelMode
@@ -331,6 +340,16 @@ class SnapsvcTrainer(Trainer):
         with self._snapsvc_cond:
             self._snapsvc_pending[final] = item
         self._snapsvc_commits.put(item)
+        if self._snapsvc_on_save_reads():
+            # on_save comes right after this returns, and callbacks that upload the
+            # checkpoint (WandbCallback, MLflowCallback, ...) read checkpoint-<N> there
+            self._snapsvc_drain(self.drain_timeout)
+            self._snapsvc_raise_failed()
+
+    def _snapsvc_on_save_reads(self) -> bool:
+        """Whether a callback overrides ``on_save`` (none of the default ones does)."""
+        return any(type(cb).on_save is not TrainerCallback.on_save
+                   for cb in self.callback_handler.callbacks)
 
     def _snapsvc_write_json(self, directory: str) -> list[str]:
         """HF's own files, by HF's own writers, into the hidden directory (the committer

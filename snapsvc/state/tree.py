@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers, read_verified
-from ..format import fdl
+from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
     StrictLoadError, UnsupportedStateError
 from ..files.meta import read_meta
@@ -184,6 +184,10 @@ class _Walker:
         self.open.add(id(v))
         try:
             if isinstance(v, Mapping):
+                try:   # Counter, OrderedDict and defaultdict come back as themselves
+                    kinds.kind_of(v)
+                except ValueError as e:
+                    raise self.refuse(path, str(e)) from None
                 out = {}
                 for k, item in v.items():
                     if type(k) is str:
@@ -195,7 +199,7 @@ class _Walker:
                         raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
                                           "in 64 bits")
                     out[k] = self.value(item, path + (k,), step)
-                return out
+                return kinds.like(v, out)
             items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]
             return tuple(items) if type(v) is tuple else items
         finally:
@@ -331,8 +335,8 @@ class _Rebuild:
             return _inline_tensor(node, self.where)
         if t is ObjectNode:
             return ObjectNode(node.kind, node.cls, self(node.value))
-        if t is dict:
-            return {k: self(v) for k, v in node.items()}
+        if isinstance(node, dict):   # a plain dict, or a kind read_meta rebuilt
+            return kinds.like(node, {k: self(v) for k, v in node.items()})
         if t is list:
             return [self(v) for v in node]
         if t is tuple:

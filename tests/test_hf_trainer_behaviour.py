@@ -1,0 +1,156 @@
+"""SnapsvcTrainer where the stock Trainer's own behaviour is the reference (issue 21, 4 and 9).
+
+Each test runs the stock ``transformers.Trainer`` as the control, in the same test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import TrainerCallback  # noqa: E402
+
+import snapsvc  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_script import make_trainer, weights  # noqa: E402
+
+from snapsvc.transformers import STATE_FILE  # noqa: E402
+
+KINDS = ["stock", "snapsvc"]
+
+
+def _close(trainer) -> None:
+    if hasattr(trainer, "close"):
+        trainer.close()
+
+
+class ReadOnSave(TrainerCallback):
+    """What an uploading callback (WandbCallback, MLflowCallback, ...) finds in on_save:
+    the files of ``checkpoint-<step>`` and the step its trainer_state.json records."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[list[str] | None, int | None]] = {}
+
+    def on_save(self, args, state, control, **kwargs):
+        d = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(d):
+            self.seen[state.global_step] = (None, None)
+            return
+        with open(os.path.join(d, "trainer_state.json")) as f:
+            step = json.load(f)["global_step"]
+        files = sorted(os.listdir(d))
+        if STATE_FILE in files:   # the whole checkpoint, readable now
+            assert snapsvc.verify(os.path.join(d, STATE_FILE)).ok
+            assert "model" in snapsvc.load(os.path.join(d, STATE_FILE))
+        self.seen[state.global_step] = (files, step)
+
+
+@pytest.mark.timeout(150)
+def test_on_save_callbacks_see_the_complete_checkpoint_directory(tmp_path, no_leaks):
+    seen = {}
+    for kind in KINDS:
+        cb = ReadOnSave()
+        t = make_trainer(kind, str(tmp_path / kind), max_steps=6, callbacks=[cb])
+        t.train()
+        _close(t)
+        seen[kind] = cb.seen
+    assert sorted(seen["stock"]) == [3, 6]
+    assert all(files and step == s for s, (files, step) in seen["stock"].items())
+    assert sorted(seen["snapsvc"]) == [3, 6]
+    for s, (files, step) in seen["snapsvc"].items():
+        assert files == sorted(["config.json", "trainer_state.json", STATE_FILE,
+                                STATE_FILE + ".meta"]), f"checkpoint-{s} in on_save: {files}"
+        assert step == s
+
+
+def _sequential(trainer_kind: str, out: str, max_steps: int):
+    """A trainer with SequentialLR([LinearLR warm-up to step 4, MultiStepLR]): its
+    state holds MultiStepLR's milestones Counter."""
+    t = make_trainer(trainer_kind, out, max_steps=max_steps, save_steps=2)
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
+    L = torch.optim.lr_scheduler
+    t.optimizer = opt
+    t.lr_scheduler = L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.1, total_iters=4),
+                                          L.MultiStepLR(opt, milestones=[1, 2], gamma=0.5)],
+                                    milestones=[4])
+    return t
+
+
+class Lrs(TrainerCallback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.timeout(150)
+def test_sequential_lr_resumed_mid_warmup_matches_the_stock_trainer(tmp_path, no_leaks):
+    """Saved at step 2 (mid-warm-up), resumed in a new trainer to step 8: SequentialLR
+    switches to MultiStepLR at step 4; the same learning rates and weights as stock."""
+    result = {}
+    for kind in KINDS:
+        out = str(tmp_path / kind)
+        first = _sequential(kind, out, max_steps=2)
+        first.train()
+        _close(first)
+        again = _sequential(kind, out, max_steps=8)
+        lrs = Lrs()
+        again.add_callback(lrs)
+        again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+        _close(again)
+        result[kind] = (lrs.lrs, weights(again.model))
+    assert len(result["stock"][0]) == 6
+    assert result["snapsvc"][0] == result["stock"][0]
+    for name, tensor in result["stock"][1].items():
+        assert torch.equal(result["snapsvc"][1][name], tensor), name
+
+
+def dist_second_train(out: str, result: str) -> None:
+    """Under torchrun (2 ranks, gloo): train to 6 (checkpoints 3, 6), then, in the same
+    process and trainer, train(resume_from_checkpoint=checkpoint-3) to 6 again; stock,
+    then SnapsvcTrainer. Rank 0 saves each final model as RESULT.<kind>."""
+    from safetensors.torch import save_file
+    for kind in KINDS:
+        run = os.path.join(out, kind)
+        t = make_trainer(kind, run, max_steps=6, ddp_backend="gloo")
+        t.train()
+        t.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
+        _close(t)
+        if t.args.process_index == 0:
+            save_file(weights(t.model), f"{result}.{kind}")
+
+
+@pytest.mark.slow   # 2 processes, 4 train() runs; the writer's rule is also in test_dist_cli
+@pytest.mark.timeout(300)
+def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
+    """The second train() re-saves checkpoint-6 as the stock Trainer does, instead of
+    failing on every rank with "step 6 after step 6: steps must increase"."""
+    import subprocess
+    from safetensors.torch import load_file
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = str(tmp_path / "final.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.abspath(__file__), str(tmp_path), result],
+        env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    stock, ours = load_file(result + ".stock"), load_file(result + ".snapsvc")
+    for name, tensor in stock.items():
+        assert torch.equal(ours[name], tensor), name
+    for kind in KINDS:
+        assert {"checkpoint-3", "checkpoint-6"} <= set(os.listdir(tmp_path / kind))
+
+
+if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
+    dist_second_train(*sys.argv[1:3])
