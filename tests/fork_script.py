@@ -15,7 +15,6 @@ import os
 import sys
 import time
 
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 

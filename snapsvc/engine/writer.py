@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from ..errors import UnsafeCallError
 from ..files.durable import remove_stale_temps
 from ..format import protocol
-from ..errors import UnsafeCallError
 from ..state.tree import check_plain
 from .book import Book
 from .copier import Copier
