@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import FormatError
+from ..errors import ArchitectureMismatchError, FormatError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from ..files.meta import Meta, meta_path, optim_path, read_meta
 from .tree import restore_state
@@ -82,14 +82,16 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
                          where: str) -> dict[str, Any]:
     """Rebuild, and check, a ``state_dict`` for ``optimizer`` from saved names."""
     if info.get("class") != type(optimizer).__name__:
-        raise ValueError(f"{where}: saved optimizer is {info.get('class')}, "
-                         f"restoring into {type(optimizer).__name__}")
+        raise ArchitectureMismatchError(
+            f"{where}: the saved optimizer is a {info.get('class')}, the live one a "
+            f"{type(optimizer).__name__}; restore into the optimizer class that saved it")
     names = {id(p): n for n, p in model.named_parameters()}
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     saved = [g["params"] for g in info["groups"]]
     if current != saved:
-        raise ValueError(f"{where}: the optimizer's param groups {_shape(current)} do not match "
-                         f"the saved ones {_shape(saved)}; build the optimizer the same way")
+        raise ArchitectureMismatchError(
+            f"{where}: the optimizer's param groups {_shape(current)} do not match the saved "
+            f"ones {_shape(saved)}; build the optimizer the same way")
     index = {name: i for i, name in enumerate(n for g in saved for n in g)}
     state: dict[int, dict[str, Any]] = {}
     for entry, t in tensors.items():
@@ -98,6 +100,8 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
             raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
         state.setdefault(index[name], {})[key] = t
     for name, values in info["scalars"].items():
+        if name not in index:
+            raise FormatError(f"optimizer state for unknown parameter {name!r}", path=where)
         state.setdefault(index[name], {}).update(values)
     groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
     return {"state": state, "param_groups": groups}

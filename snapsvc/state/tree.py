@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -298,9 +299,10 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
     dtype = INLINE_DTYPES.get(node.dtype)
     if dtype is None:
         raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
-    numel = 1
-    for d in node.shape:
-        numel *= d
+    problem = fdl.shape_problem(node.shape)
+    if problem:
+        raise FormatError(f"inline tensor: {problem}", path=where)
+    numel = math.prod(node.shape)
     if numel * dtype.itemsize != len(node.data):
         raise FormatError(f"inline tensor of shape {list(node.shape)} and dtype {node.dtype} "
                           f"needs {numel * dtype.itemsize} bytes, has {len(node.data)}",
@@ -308,6 +310,9 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
     if not node.data:
         return torch.empty(node.shape, dtype=dtype)
     return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+
+
+_KINDS = ("module", "optimizer", "stateful")  # the ObjectNode kinds the walker writes
 
 
 class _Rebuild:
@@ -319,8 +324,10 @@ class _Rebuild:
 
     def __call__(self, node: Any) -> Any:
         t = type(node)
-        if t is ObjectNode and not self.keep:
-            return self(node.value)
+        if t is ObjectNode:
+            self.check_object(node)
+            if not self.keep:
+                return self(node.value)
         if t is TensorRef:
             if node.name not in self.entries:
                 raise FormatError(f"the metadata names entry {node.name!r}, which the "
@@ -338,6 +345,22 @@ class _Rebuild:
         if t is tuple:
             return tuple(self(v) for v in node)
         return node
+
+    def check_object(self, node: ObjectNode) -> None:
+        """A live object's node holds its state dict, as the walker wrote it:
+        never a non-map where ``load_state_dict`` will want a map."""
+        value = node.value
+        if node.kind not in _KINDS or type(value) is not dict:
+            raise FormatError(f"the metadata holds a {node.kind!r} node of class {node.cls!r} "
+                              f"whose state is a {type(value).__name__}; expected one of "
+                              f"{_KINDS} holding a map", path=self.where)
+        if node.kind == "optimizer":
+            groups = value.get("param_groups")
+            if type(value.get("state")) is not dict or type(groups) is not list or not all(
+                    type(g) is dict and type(g.get("params")) is list
+                    and all(type(i) is int for i in g["params"]) for g in groups):
+                raise FormatError(f"the metadata's {node.cls} optimizer state lacks a state map "
+                                  "or param groups of parameter indices", path=self.where)
 
 
 def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
