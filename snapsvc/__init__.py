@@ -56,8 +56,10 @@ from .errors import (
     SlotBudgetError,
     SnapsvcError,
     StrictLoadError,
+    TargetNotWritableError,
     WorldSizeMismatchError,
     WriteFailedError,
+    WriterClosedError,
 )
 from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .files.verify import VerifyReport, verify
@@ -107,6 +109,8 @@ __all__ = [
     "SlotBudgetError",
     "BrokenWriterError",
     "WriteFailedError",
+    "WriterClosedError",
+    "TargetNotWritableError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "DistributedSnapshotWriter",

@@ -22,6 +22,8 @@ __all__ = [
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "PathError",
+    "TargetNotWritableError",
+    "WriterClosedError",
 ]
 
 
@@ -133,3 +135,12 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
 class PathError(SnapsvcError, ValueError):
     """A checkpoint path that cannot be written as given (e.g. a file name longer
     than the file system allows); raised before anything is written."""
+
+
+class TargetNotWritableError(SnapsvcError, ValueError):
+    """A live tensor that a restore would copy into cannot be written in place
+    (an inference tensor, an ``expand()``ed view); found before anything changes."""
+
+
+class WriterClosedError(SnapsvcError, RuntimeError):
+    """A call on a :class:`~snapsvc.SnapshotWriter` that was closed; make a new one."""

@@ -224,13 +224,41 @@ def test_extra_state_is_saved_and_restored(writer):
         assert not report.skipped and not report.missing
 
 
+class PlainExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 2), WithPlain())
+
+    def get_extra_state(self):
+        return {"k": self.k}
+
+    def set_extra_state(self, state) -> None:
+        self.k = state["k"]
+
+    k = 0
+
+
+class WithPlain(nn.Module):
+    scale = 1.0
+
+    def get_extra_state(self):
+        return self.scale
+
+    def set_extra_state(self, state) -> None:
+        self.scale = state
+
+
 def test_extra_state_through_a_model_submit(writer, tmp_path):
-    m = WithExtra()
-    m.k = 7
+    """Kept as plain data in the metadata; a tensor there needs a state mapping."""
+    m = PlainExtra()
+    m.k, m.body[1].scale = 7, 0.5
     path = writer.submit(m, tmp_path / "xm.fdl").result(timeout=60).path
-    fresh = WithExtra()
-    snapsvc.restore(path, fresh)
-    assert fresh.k == 7
+    fresh = PlainExtra()
+    report = snapsvc.restore(path, fresh, strict=True)
+    assert fresh.k == 7 and fresh.body[1].scale == 0.5
+    assert {"_extra_state", "body.1._extra_state"} <= set(report.loaded)
+    with pytest.raises(snapsvc.UnsupportedStateError, match=r"inner\._extra_state"):
+        writer.submit(WithExtra(), tmp_path / "xt.fdl")
 
 
 # ----------------------------------------------------------------------------------
@@ -244,6 +272,10 @@ class Masked(nn.Module):
 
 
 def test_a_model_with_a_bool_buffer_loads_by_its_own_hash(writer):
+    # first a model with the same .fdl entries and no mask: its pool must not be reused
+    plain = nn.Module()
+    plain.lin = nn.Linear(2, 2)
+    save(writer, {"model": plain}, "plain.fdl")
     torch.manual_seed(0)
     m = Masked()
     m.mask.logical_not_()
@@ -257,5 +289,5 @@ def test_a_model_with_a_bool_buffer_loads_by_its_own_hash(writer):
     assert torch.equal(fresh.lin.weight, m.lin.weight)
     assert "mask" in report.missing or torch.equal(fresh.mask, m.mask)
     fresh = Masked()
-    snapsvc.restore(path, {"model": fresh}, strict=True)
+    snapsvc.restore(path, {"model": fresh, "step": 0}, strict=True)
     assert torch.equal(fresh.mask, m.mask) and torch.equal(fresh.lin.bias, m.lin.bias)

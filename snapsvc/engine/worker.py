@@ -139,7 +139,7 @@ class _Sidecar:
         meta = Meta(buffers=slot.buffers, epoch=body["epoch"], metrics=body["metrics"],
                     structural_hash=slot.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),
-                    state=body.get("state"))
+                    state=body.get("state"), extra_state=body.get("extra_state"))
         optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
         try:
             stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,

@@ -69,6 +69,8 @@ class Meta:
     optimizer: dict[str, Any] | None = None
     # the state tree of a nested submit (snapsvc.state), None for a model submit
     state: Any = None
+    # a model submit's get_extra_state() values by state_dict key; None when none
+    extra_state: dict[str, Any] | None = None
 
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
@@ -247,6 +249,9 @@ _FIELDS: dict[str, Any] = {
     "optimizer": _optimizer,
     "state": lambda v: _check(v is None or type(v) is dict,
                               "None or a map (a nested state is a mapping)"),
+    "extra_state": lambda v: _check(v is None or (type(v) is dict
+                                                  and all(type(k) is str for k in v)),
+                                    "None or a map of state_dict keys to values"),
 }
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import ArchitectureMismatchError, FormatError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from ..files.meta import Meta, meta_path, optim_path, read_meta
-from .tree import restore_state
+from .tree import restore_state, set_model_extra_states
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]
@@ -168,6 +168,7 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
         optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
     report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
+    set_model_extra_states(model, meta.extra_state, report)
     if optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
