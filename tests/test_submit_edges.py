@@ -37,6 +37,7 @@ def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+@pytest.mark.timeout(300)  # the first test of the file also starts the warm-up sidecar
 def test_umask_of_the_moment_of_the_write(tmp_path):
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)

@@ -106,7 +106,7 @@ class Copier:
                                                                old_versions)) if p != op or v != ov]
         if self.incremental == "check":
             skipped = set(range(len(sources))) - set(picked)
-            stale = sorted(i for i in skipped if not torch.equal(
+            stale = sorted(i for i in skipped if not _same_bits(
                 slot.views[i], sources[i].to(slot.views[i].device)))  # a CUDA source: to CPU
             for i in stale:
                 log.warning("incremental staging: %r changed without a _version bump (a write "
@@ -186,3 +186,9 @@ class Copier:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, so an unchanged NaN is the same (``torch.equal`` says NaN != NaN)."""
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import EncodeError, PathError
 from ..files.checkpoint import layout_hash, persistent_buffers
 from ..files.durable import check_final_name
-from ..files.meta import meta_path
+from ..files.meta import meta_path, optim_path
 from ..format import fdl, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
@@ -126,9 +126,11 @@ def check_epoch(epoch: int | None) -> int:
     return epoch
 
 
-def check_path(directory: str | None, path: str | os.PathLike[str]) -> str:
+def check_path(directory: str | None, path: str | os.PathLike[str], *,
+               optimizer: bool = False) -> str:
     """The absolute checkpoint path, refused if it names a directory, is not
-    UTF-8 or derives a name (its ``.meta``) too long for the file system."""
+    UTF-8 or derives a name too long for the file system: its ``.meta``, or
+    with an ``optimizer`` file its ``.optim`` name, one byte longer."""
     raw = os.fspath(path)
     name = os.path.basename(raw)
     if not raw or raw.endswith(os.sep) or name in ("", ".", ".."):
@@ -142,7 +144,8 @@ def check_path(directory: str | None, path: str | os.PathLike[str]) -> str:
         raise PathError(f"checkpoint path {full!r} is not valid UTF-8") from None
     if os.path.isdir(full):
         raise PathError(f"checkpoint path {full!r} is a directory; give a file name")
-    check_final_name(meta_path(full))  # the longest name derived from it
+    for derived in (meta_path(full), optim_path(full)) if optimizer else (meta_path(full),):
+        check_final_name(derived)
     return full
 
 

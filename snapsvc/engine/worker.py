@@ -65,6 +65,11 @@ class _Slot:
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
+def _series(path: str) -> tuple[str, str]:
+    """keep_last's series of ``path``: its directory and its name with digits masked."""
+    return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
+
+
 class _Sidecar:
     def __init__(self, req: Connection, rep: Connection, lock: staging.ClaimLock,
                  options: dict[str, Any]) -> None:
@@ -75,6 +80,8 @@ class _Sidecar:
         self.compress_level: int | None = options.get("compress_level")
         self.slots: dict[int, _Slot | str] = {}  # a str: why that slot cannot be written
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
+        for old in options.get("written", ()):  # what an earlier sidecar of this writer kept
+            self.written.setdefault(_series(old), []).append(old)
         self.parent = os.getppid()
         self.reports_lost = False
 
@@ -103,8 +110,7 @@ class _Sidecar:
         Each file loses its name now; its data is freed after the report
         (see :func:`~snapsvc.files.durable.set_aside`), through ``trash``.
         """
-        series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
-        mine = self.written.setdefault(series, [])
+        mine = self.written.setdefault(_series(path), [])
         if path in mine:
             mine.remove(path)
         mine.append(path)
@@ -141,6 +147,8 @@ class _Sidecar:
                     extra=body.get("extra"), optimizer=body.get("optim"),
                     state=body.get("state"), extra_state=body.get("extra_state"))
         optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
+        if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
+            os.umask(msg["umask"])
         try:
             stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,
                                     optim=optim, trash=trash)

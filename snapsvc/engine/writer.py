@@ -101,7 +101,8 @@ class SnapshotWriter:
         self.sigterm = sigterm
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
                    "fault_hook": fault_hook}
-        self._book = Book()
+        self._options = options  # the sidecar's; a restart adds the files keep_last still rotates
+        self._book = Book(keep_last=keep_last is not None)
         self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
         self._sidecar = Sidecar(tmp.get_context(start_method), options, self._on_report,
                                 self._on_exit)
@@ -156,6 +157,9 @@ class SnapshotWriter:
             for d in dirs:
                 for path in remove_stale_temps(d):
                     log.warning("removed %s left by a dead writer", path)
+            with book.cond:
+                if book.kept is not None:
+                    self._options["written"] = list(book.kept)
             self._sidecar.start()
             with book.cond:
                 book.broken = None
@@ -229,7 +233,7 @@ class SnapshotWriter:
         """
         started = time.monotonic()
         self._not_from_reader("submit")
-        path = self._resolve(path)
+        path = self._resolve(path, optimizer=optimizer is not None)
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics
@@ -243,7 +247,6 @@ class SnapshotWriter:
             pool, gone, sources, plan = find_pool(self._pools, req)
             pool.users += 1  # not trimmed while this submit uses it
             book.active += 1
-            book.counts["submitted"] += 1
         try:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
@@ -264,9 +267,10 @@ class SnapshotWriter:
             raise RuntimeError(f"{what}() from a done-callback would deadlock: callbacks run on "
                                "the thread that delivers reports; hand the work to another thread")
 
-    def _resolve(self, path: str | os.PathLike[str], create: bool = True) -> str:
+    def _resolve(self, path: str | os.PathLike[str], create: bool = True, *,
+                 optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
-        full = check_path(self.directory, path)
+        full = check_path(self.directory, path, optimizer=optimizer)
         directory = os.path.dirname(full)
         if create:
             with self._book.cond:

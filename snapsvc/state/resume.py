@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ArchitectureMismatchError, FormatError
+from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from ..files.meta import Meta, meta_path, optim_path, read_meta
 from .tree import restore_state, set_model_extra_states
@@ -44,8 +44,10 @@ def _plain(value: Any, where: str) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return [_plain(v, where) for v in value]
-    raise TypeError(f"{where} is a {type(value).__name__}; snapsvc stores optimizer "
-                    "hyperparameters and non-tensor state as msgpack scalars and lists")
+    raise UnsupportedStateError(
+        f"{where} is a {type(value).__name__}; submit(model, optimizer=) stores an optimizer's "
+        "hyperparameters and non-tensor state as numbers, str and lists of them; "
+        "submit({'model': model, 'opt': opt}, path) stores any optimizer state", path=where)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
@@ -59,8 +61,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
         try:
             params = [names[id(p)] for p in group["params"]]
         except KeyError:
-            raise ValueError(f"param group {i} of the optimizer holds a tensor that is not a "
-                             "parameter of the submitted model") from None
+            raise ArchitectureMismatchError(
+                f"param group {i} of the optimizer holds a tensor that is not a parameter of "
+                "the submitted model; pass the optimizer of this model") from None
         hyper = {k: _plain(v, f"param group {i} key {k!r}") for k, v in group.items()
                  if k != "params"}
         groups.append({"params": params, "hyper": hyper})

@@ -214,6 +214,9 @@ class _Walker:
         if type(t) not in (torch.Tensor, nn.Parameter):
             raise self.refuse(path, f"a tensor subclass {type(t).__name__} (for DTensor use "
                                 "DistributedSnapshotWriter, or pass .to_local())")
+        if t.is_nested:
+            raise self.refuse(path, "a nested tensor (store its parts: .unbind(), or "
+                                "a padded copy: .to_padded_tensor(0))")
         if t.layout != torch.strided:
             raise self.refuse(path, f"a {t.layout} tensor (convert with .to_dense())")
         if t.is_quantized or t.device.type == "meta":
@@ -420,7 +423,10 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
 
     Modules, optimizers and stateful objects come back as their
     ``state_dict()`` at submit; key types, tuples, bytes, None and
-    non-finite floats come back exactly.
+    non-finite floats come back exactly. An ``nn.Parameter`` comes back as
+    a plain ``torch.Tensor`` (``requires_grad=False``), deliberately: the file
+    keeps data, not autograd; ``restore`` copies it into the live parameter,
+    which stays a parameter.
     """
     return _read(os.fspath(path), keep_objects=False)[1]
 
