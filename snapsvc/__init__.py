@@ -57,8 +57,10 @@ from .errors import (
     UnsafeCallError,
     SnapsvcError,
     StrictLoadError,
+    TargetNotWritableError,
     WorldSizeMismatchError,
     WriteFailedError,
+    WriterClosedError,
 )
 from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .files.verify import VerifyReport, verify
@@ -109,6 +111,8 @@ __all__ = [
     "UnsafeCallError",
     "BrokenWriterError",
     "WriteFailedError",
+    "WriterClosedError",
+    "TargetNotWritableError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "DistributedSnapshotWriter",

@@ -24,6 +24,8 @@ __all__ = [
     "WorldSizeMismatchError",
     "PathError",
     "CheckpointNotFoundError",
+    "TargetNotWritableError",
+    "WriterClosedError",
 ]
 
 
@@ -152,3 +154,12 @@ class CheckpointNotFoundError(SnapsvcError, FileNotFoundError):
     checkpoint file without its metadata is an unfinished write instead
     (:class:`FormatError`).
     """
+
+
+class TargetNotWritableError(SnapsvcError, ValueError):
+    """A live tensor that a restore would copy into cannot be written in place
+    (an inference tensor, an ``expand()``ed view); found before anything changes."""
+
+
+class WriterClosedError(SnapsvcError, RuntimeError):
+    """A call on a :class:`~snapsvc.SnapshotWriter` that was closed; make a new one."""

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import BrokenWriterError, WriteFailedError
+from ..errors import BrokenWriterError, WriteFailedError, WriterClosedError
 from .handles import WriteHandle, WriteReport
 from .pools import Slot
 from .sidecar import describe
@@ -38,9 +38,12 @@ class Pending:
 class Book:
     """Shared state of one writer; see the module docstring for the lock."""
 
-    def __init__(self, on_reader: Callable[[], bool]) -> None:
+    def __init__(self, on_reader: Callable[[], bool], keep_last: bool = False) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.on_reader = on_reader  # given to each handle: no wait inside a done-callback
+        # keep_last: the files written and not yet rotated away, oldest first, so
+        # a restarted sidecar goes on rotating the series an earlier one began
+        self.kept: list[str] | None = [] if keep_last else None
         self.pending: dict[int, Pending] = {}
         self.dirs: set[str] = set()
         self.seq = 0
@@ -55,7 +58,7 @@ class Book:
     def check_open(self) -> None:
         """Raise if closing (cond held)."""
         if self.closing or self.closed:
-            raise RuntimeError("this SnapshotWriter is closed; make a new one")
+            raise WriterClosedError("this SnapshotWriter is closed; make a new one")
 
     def wait_until(self, ready: Callable[[], bool], timeout: float | None, what: str) -> None:
         """Wait on ``cond`` for ``ready()``; the sidecar's death ends it too."""
@@ -72,6 +75,7 @@ class Book:
     def add(self, slot: Slot, path: str, started: float, stage_s: float, gen: int) -> int:
         """Book a staged write (cond held); its seq."""
         self.seq += 1
+        self.counts["submitted"] += 1  # refused submits never get this far
         slot.seq = self.seq
         handle = WriteHandle(self.seq, path, self.on_reader)
         self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen)
@@ -83,6 +87,7 @@ class Book:
         with self.cond:
             self.seq += 1
             handle = WriteHandle(self.seq, path, self.on_reader)
+            self.counts["submitted"] += 1
             self.counts["skipped"] += 1
             self.stalls.append(stall)
         handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,
@@ -100,6 +105,9 @@ class Book:
             skipped = ok and msg.get("superseded", False)
             self.counts["skipped" if skipped else "written" if ok else "failed"] += 1
             self.counts["bytes"] += msg.get("bytes", 0) if ok else 0
+            if self.kept is not None and ok and not skipped:
+                gone = {msg["path"], *msg.get("removed", ())}
+                self.kept = [k for k in self.kept if k not in gone] + [msg["path"]]
             self.cond.notify_all()
         if ok:
             p.handle._future.set_result(WriteReport(

@@ -125,7 +125,7 @@ class Copier:
             was = dict(zip(old_frozen, zip(old_ptrs, old_versions)))
             skipped = [i for i, p, v in zip(frozen, ptrs, versions) if was.get(i) == (p, v)]
         if self.incremental == "check":
-            stale = [i for i in skipped if not torch.equal(
+            stale = [i for i in skipped if not _same_bits(
                 slot.views[i], sources[i].to(slot.views[i].device))]  # a CUDA source: to CPU
             for i in stale:
                 log.warning("incremental staging: %r (a frozen parameter) changed without a "
@@ -208,3 +208,9 @@ class Copier:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, so an unchanged NaN is the same (``torch.equal`` says NaN != NaN)."""
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))

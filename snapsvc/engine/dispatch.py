@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BrokenWriterError
+from ..files.durable import current_umask
 from ..format import protocol
 from .book import Book
 from .copier import Copier
@@ -69,7 +70,7 @@ class Dispatcher:
                     "the writer sidecar stopped while this snapshot was copied; submit again")
             seq = book.add(slot, path, started, stage_s, gen)
             handle = book.pending[seq].handle
-        msg = {"path": path, "body": body}
+        msg = {"path": path, "body": body, "umask": current_umask()}  # the files' mode of now
         if rest is None:
             self.send(slot, seq, msg)
         else:

@@ -20,12 +20,12 @@ from torch import nn
 from ..errors import EncodeError, PathError
 from ..files.checkpoint import layout_hash, persistent_buffers
 from ..files.durable import check_final_name
-from ..files.meta import meta_path
+from ..files.meta import meta_path, optim_path
 from ..format import fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
-from ..state.tree import flatten
-from .pools import Plan, Pool, SlotPools, walk
+from ..state.tree import flatten, model_extra_states
+from .pools import Plan, Pool, Slot, SlotPools, walk
 from .snapshot import ModelSnapshot
 
 __all__ = ["Request", "request", "find_pool", "check_epoch", "check_path", "pack_body"]
@@ -46,6 +46,7 @@ class Request:
     tree: Any = None
     model: nn.Module | None = None
     walked: list[torch.Tensor | None] | None = None
+    extra_state: dict[str, Any] | None = None  # a model's get_extra_state() values
 
 
 def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
@@ -59,9 +60,11 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
     fdl.check_entries(list(optim))
     pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
-    key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
-           tuple((n, t.shape, t.dtype) for n, t in pairs))
     h = layout_hash(params, buffers) if structural_hash is None else structural_hash
+    # the hash too: a model's tensors .fdl cannot hold (a bool buffer) count in
+    # its hash, so two models may share every entry and differ in the header
+    key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
+           tuple((n, t.shape, t.dtype) for n, t in pairs), h)
     return Request([t for _, t in pairs], key,
                    lambda: Layout.of(params, buffers, h, optim, state), pin)
 
@@ -74,11 +77,13 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Re
         return _entries(list(obj.params.items()), list(obj.buffers.items()))
     if isinstance(obj, nn.Module):
         if optimizer is None:
-            return Request(model=obj, walked=walk(obj))
-        params, buffers = list(obj.named_parameters()), list(persistent_buffers(obj))
-        optim, info = optimizer_state(optimizer, {id(p): n for n, p in params})
-        req = _entries(params, buffers, optim)
-        req.optim = info
+            req = Request(model=obj, walked=walk(obj))
+        else:
+            params, buffers = list(obj.named_parameters()), list(persistent_buffers(obj))
+            optim, info = optimizer_state(optimizer, {id(p): n for n, p in params})
+            req = _entries(params, buffers, optim)
+            req.optim = info
+        req.extra_state = model_extra_states(obj)
         return req
     if isinstance(obj, Mapping):
         if optimizer is not None or extra is not None:
@@ -121,9 +126,11 @@ def check_epoch(epoch: int | None) -> int:
     return epoch
 
 
-def check_path(directory: str | None, path: str | os.PathLike[str]) -> str:
+def check_path(directory: str | None, path: str | os.PathLike[str], *,
+               optimizer: bool = False) -> str:
     """The absolute checkpoint path, refused if it names a directory, is not
-    UTF-8 or derives a name (its ``.meta``) too long for the file system."""
+    UTF-8 or derives a name too long for the file system: its ``.meta``, or
+    with an ``optimizer`` file its ``.optim`` name, one byte longer."""
     raw = os.fspath(path)
     name = os.path.basename(raw)
     if not raw or raw.endswith(os.sep) or name in ("", ".", ".."):
@@ -137,7 +144,8 @@ def check_path(directory: str | None, path: str | os.PathLike[str]) -> str:
         raise PathError(f"checkpoint path {full!r} is not valid UTF-8") from None
     if os.path.isdir(full):
         raise PathError(f"checkpoint path {full!r} is a directory; give a file name")
-    check_final_name(meta_path(full))  # the longest name derived from it
+    for derived in (meta_path(full), optim_path(full)) if optimizer else (meta_path(full),):
+        check_final_name(derived)
     return full
 
 

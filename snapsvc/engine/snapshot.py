@@ -14,7 +14,7 @@ from typing import BinaryIO, Mapping
 import torch
 from torch import nn
 
-from ..errors import FormatError
+from ..errors import EncodeError, FormatError, UnsupportedStateError
 from ..files.checkpoint import layout_hash, persistent_buffers, read_verified
 from ..files.meta import Meta, read_meta, write_with_meta
 from ..format import fdl
@@ -57,7 +57,25 @@ def model_sources(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]],
 
 
 def as_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
-    return {str(k): float(v) for k, v in (metrics or {}).items()}
+    """``metrics`` as the metadata keeps them: str keys, float values (a
+    1-element tensor or numpy scalar converts); anything else is refused."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedStateError(f"metrics must be a mapping of names to numbers, not a "
+                                    f"{type(metrics).__name__}", path="metrics")
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[str(k)] = float(v)
+        except TypeError:
+            raise UnsupportedStateError(f"metrics[{k!r}] is a {type(v).__name__}; metrics are "
+                                        "numbers (put other values in extra=)",
+                                        path=f"metrics[{k!r}]") from None
+        except (ValueError, RuntimeError):  # a str, a tensor of several elements
+            raise EncodeError(f"metrics[{k!r}] = {v!r:.60} is not a number; metrics are numbers "
+                              "(put other values in extra=)") from None
+    return out
 
 
 def snapshot_cpu(model: nn.Module, *, metrics: Mapping[str, float] | None = None,

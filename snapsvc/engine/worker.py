@@ -263,6 +263,7 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     def files() -> Any:
         init_package()
         writes = importlib.import_module(".writes", __package__)
-        return writes.Files(options.get("keep_last"), options.get("compress_level"))
+        return writes.Files(options.get("keep_last"), options.get("compress_level"),
+                            options.get("written", ()))
 
     _Sidecar(req, req_sock, rep, lock, _Later(files).get).run()

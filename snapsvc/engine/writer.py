@@ -111,7 +111,8 @@ class SnapshotWriter:
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
                    "fault_hook": fault_hook}
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
-        self._book = Book(self._on_reader)
+        self._options = options  # the sidecar's; a restart adds the files keep_last still rotates
+        self._book = Book(self._on_reader, keep_last=keep_last is not None)
         self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
         if start_method is not None:
             warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
@@ -170,6 +171,9 @@ class SnapshotWriter:
             for d in dirs:
                 for path in remove_stale_temps(d):
                     log.warning("removed %s left by a dead writer", path)
+            with book.cond:
+                if book.kept is not None:
+                    self._options["written"] = list(book.kept)
             self._sidecar.start()
             with book.cond:
                 book.broken = None
@@ -248,7 +252,7 @@ class SnapshotWriter:
         """
         started = time.monotonic()
         self._check_caller("submit")
-        path = self._resolve(path)
+        path = self._resolve(path, optimizer=optimizer is not None)
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics
@@ -267,13 +271,13 @@ class SnapshotWriter:
                     gone = self._pools.take_released()
                 pool.users += 1  # not trimmed while this submit uses it
                 book.active += 1
-                book.counts["submitted"] += 1
         finally:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
         try:
             body = pack_body(path, pool[0].buffer_bytes, epoch=epoch, metrics=metrics,
-                             extra=extra, optim=req.optim, state=req.tree)
+                             extra=extra, optim=req.optim, state=req.tree,
+                             extra_state=req.extra_state)
             return self._dispatch.stage(pool, sources, plan, path, body, started, timeout)
         finally:
             with book.cond:
@@ -299,9 +303,10 @@ class SnapshotWriter:
     def _on_reader(self) -> bool:
         return threading.current_thread() is self._sidecar.reader
 
-    def _resolve(self, path: str | os.PathLike[str], create: bool = True) -> str:
+    def _resolve(self, path: str | os.PathLike[str], create: bool = True, *,
+                 optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
-        full = check_path(self.directory, path)
+        full = check_path(self.directory, path, optimizer=optimizer)
         directory = os.path.dirname(full)
         if create:
             with self._book.cond:

@@ -45,14 +45,22 @@ class Encoders:
 
 
 
+def _series(path: str) -> tuple[str, str]:
+    """keep_last's series of ``path``: its directory and its name with digits masked."""
+    return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
+
+
 class Files:
     """Writes snapshots durably and rotates what ``keep_last`` drops."""
 
-    def __init__(self, keep_last: int | None, compress_level: int | None) -> None:
+    def __init__(self, keep_last: int | None, compress_level: int | None,
+                 written: Any = ()) -> None:
         torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
         self.keep_last = keep_last
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
+        for old in written:  # what an earlier sidecar of this writer kept
+            self.written.setdefault(_series(old), []).append(old)
 
     def encoders(self, layout: dict[str, Any], memory: mmap.mmap) -> Encoders | str:
         """A slot's encoders, or why it cannot be written (a trainer bug: its
@@ -72,8 +80,7 @@ class Files:
         Each file loses its name now; its data is freed after the report
         (see :func:`~snapsvc.files.durable.set_aside`), through ``trash``.
         """
-        series = (os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path)))
-        mine = self.written.setdefault(series, [])
+        mine = self.written.setdefault(_series(path), [])
         if path in mine:
             mine.remove(path)
         mine.append(path)
@@ -101,8 +108,10 @@ class Files:
         meta = Meta(buffers=enc.buffers, epoch=body["epoch"], metrics=body["metrics"],
                     structural_hash=enc.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),
-                    state=body.get("state"))
+                    state=body.get("state"), extra_state=body.get("extra_state"))
         optim = (optim_path(path), enc.optim) if meta.optimizer is not None else None
+        if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
+            os.umask(msg["umask"])
         try:
             stats = write_with_meta(path, enc.model, meta, compress_level=self.compress_level,
                                     optim=optim, trash=trash)

@@ -38,7 +38,7 @@ from ..errors import PathError
 
 __all__ = ["TMP_SUFFIX", "DurableFile", "staged_write", "commit", "discard", "atomic_write",
            "fsync_dir", "remove_stale_temps", "set_fault_hook", "check_final_name", "set_aside",
-           "unlink_quietly"]
+           "unlink_quietly", "current_umask"]
 
 TMP_SUFFIX = ".snapsvc-tmp"
 _NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
@@ -191,6 +191,23 @@ def _temp_names(path: str) -> Iterator[str]:
         base = encoded[:max(room, 0)].decode("utf-8", "ignore")
     for _ in range(100):
         yield os.path.join(directory, f".{base}.{pid}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux allows
+    (``/proc/self/status``, since 4.7): ``os.umask`` can only be read by
+    setting it, which races with any other thread creating a file. The
+    sidecar writes each file under the umask its submit saw."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # the racy way, where there is no other
+    os.umask(mask)
+    return mask
 
 
 def _create_temp(path: str) -> tuple[int, str]:

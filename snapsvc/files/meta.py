@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import reprlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -74,6 +75,8 @@ class Meta:
     optimizer: dict[str, Any] | None = None
     # the state tree of a nested submit (snapsvc.state), None for a model submit
     state: Any = None
+    # a model submit's get_extra_state() values by state_dict key; None when none
+    extra_state: dict[str, Any] | None = None
 
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
@@ -152,8 +155,9 @@ def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str,
         raise FormatError(f"{what} is larger than {limit} bytes", path=path)
     try:
         raw = unpack_value(data)
-    except ValueError as e:
-        raise FormatError(f"{what} is not valid msgpack ({e})", path=path) from None
+    except FormatError as e:
+        raise FormatError(f"{what} is not valid msgpack: {e.reason}", path=path,
+                          offset=e.offset) from None
     if not isinstance(raw, dict) or raw.get("magic") != magic:
         raise FormatError(f"not a snapsvc {what} file (expected magic {magic!r})", path=path)
     versions = version if isinstance(version, tuple) else (version,)
@@ -181,16 +185,95 @@ def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
                               "metadata file is corrupt; use an earlier checkpoint", path=path)
         try:
             raw = unpack_value(packed)
-        except ValueError as e:
-            raise FormatError(f"metadata fields are not valid msgpack ({e})", path=path) from None
+        except FormatError as e:
+            raise FormatError(f"metadata fields are not valid msgpack: {e.reason} (at byte "
+                              f"{e.offset} of the packed fields)", path=path) from None
         if not isinstance(raw, dict):
             raise FormatError("metadata fields are not a map", path=path)
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise FormatError(f"metadata lacks the fields {missing}", path=path)
     fields = {k: raw[k] for k in Meta.__dataclass_fields__ if k in raw}
-    try:
+    for name, value in fields.items():
+        problem = _FIELDS[name](value)
+        if problem:
+            raise FormatError(f"metadata field {name!r} is {_show(value)}; expected {problem}",
+                              path=path)
+    try:  # after the checks: a tree's Counter is a map, not the plain dict checked there
         fields.update(kinds.join({r: fields.get(r) for r in _TREES}, raw.get(KINDS_FIELD)))
     except ValueError as e:
         raise FormatError(f"metadata field {KINDS_FIELD!r}: {e}", path=path) from None
-    try:
-        return Meta(**fields)
-    except TypeError as e:
-        raise FormatError(f"metadata lacks a field ({e})", path=path) from None
+    return Meta(**fields)
+
+
+# What each field of a Meta read back must be: a check returns None, or what was expected.
+_REQUIRED = ("size", "crc32")
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    return type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _check(ok: bool, expected: str) -> str | None:
+    return None if ok else expected
+
+
+def _metrics(v: Any) -> str | None:
+    return _check(type(v) is dict and all(type(k) is str and _is_number(x) for k, x in v.items()),
+                  "a map of str to numbers")
+
+
+def _optimizer(v: Any) -> str | None:
+    """The model-mode optimizer description (snapsvc.state.resume.optimizer_state)."""
+    if v is None:
+        return None
+    expected = ("None or a map with class, groups ([{params: [str], hyper: {str: value}}]), "
+                "scalars ({str: {str: value}}), size and crc32")
+    if type(v) is not dict or type(v.get("class")) is not str \
+            or not _is_int(v.get("size"), 0) or not _is_int(v.get("crc32"), 0, 0xFFFFFFFF) \
+            or not _is_int(v.get("entries", 0), 0) or type(v.get("file", "")) is not str:
+        return expected
+    groups, scalars = v.get("groups"), v.get("scalars")
+    if type(groups) is not list or type(scalars) is not dict:
+        return expected
+    for g in groups:
+        if type(g) is not dict or type(g.get("params")) is not list \
+                or not all(type(n) is str for n in g["params"]) \
+                or type(g.get("hyper")) is not dict or not all(type(k) is str for k in g["hyper"]):
+            return expected
+    if not all(type(k) is str and type(s) is dict and all(type(x) is str for x in s)
+               for k, s in scalars.items()):
+        return expected
+    return None
+
+
+_FIELDS: dict[str, Any] = {
+    "format_version": lambda v: _check(_is_int(v), "an int"),
+    "size": lambda v: _check(_is_int(v, 0), "a byte count"),
+    "crc32": lambda v: _check(_is_int(v, 0, 0xFFFFFFFF), "a CRC-32 (0 to 2**32 - 1)"),
+    "entries": lambda v: _check(_is_int(v, 0), "an entry count"),
+    "buffers": lambda v: _check(type(v) is list and all(type(b) is str for b in v),
+                                "a list of buffer names"),
+    "epoch": lambda v: _check(_is_int(v), "an int"),
+    "metrics": _metrics,
+    "structural_hash": lambda v: _check(v is None or (type(v) is str and len(v) == 64
+                                                       and set(v) <= _HEX),
+                                        "None or 64 lowercase hex digits"),
+    "created": lambda v: _check(_is_number(v), "a time in seconds"),
+    "extra": lambda v: None,
+    "optimizer": _optimizer,
+    "state": lambda v: _check(v is None or type(v) is dict,
+                              "None or a map (a nested state is a mapping)"),
+    "extra_state": lambda v: _check(v is None or (type(v) is dict
+                                                  and all(type(k) is str for k in v)),
+                                    "None or a map of state_dict keys to values"),
+}
+
+
+def _show(value: Any) -> str:
+    return f"a {type(value).__name__} ({reprlib.repr(value)})"  # bounded, whatever its size

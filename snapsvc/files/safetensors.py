@@ -118,8 +118,9 @@ def _parse_entry(name: str, info: object, path: str, buffer_len: int) -> _StEntr
         raise fail(f"shape {shape!r} is not a list of integers")
     if len(shape) > fdl.MAX_NDIM:
         raise fail(f"rank {len(shape)} exceeds {fdl.MAX_NDIM}")
-    if any(d < 0 for d in shape):
-        raise fail(f"negative dimension in shape {shape}")
+    problem = fdl.shape_problem(shape)
+    if problem:
+        raise fail(problem)
     offsets = info["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         raise fail(f"data_offsets {offsets!r} is not a list of two integers")

@@ -5,6 +5,7 @@ What each module holds::
     fdl.py        flodl's .fdl format: dtype tables, Encoder, Decoder (no files, no threads)
     protocol.py   msgpack values (tuples, int keys, tensors refs) and the sidecar's messages
     kinds.py      Counter / OrderedDict / defaultdict: a table beside a plain msgpack tree
+    bounded.py    the msgpack reader for untrusted bytes: no recursion, nesting and memory bounded
     streams.py    sources and sinks: plain or gzip, CRC-32 taps, memory readers
     layout.py     where each tensor of a snapshot lives inside a shared-memory slot
 

@@ -35,6 +35,7 @@ read in bounded pieces so memory follows the real data, not the header.
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 import sys
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "TAG_TO_DTYPE",
     "MAX_NAME_LEN",
     "MAX_NDIM",
+    "shape_problem",
     "Header",
     "Entry",
     "Encoder",
@@ -148,6 +150,23 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     array = (ctypes.c_char * n).from_address(t.data_ptr())
     array.tensor = t  # type: ignore[attr-defined]
     return memoryview(array).cast("B")
+
+
+def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
+    """Why ``shape`` (read from a file) is no tensor's shape, or None.
+
+    Every size must be 0 to 2**63 - 1 and their product, zeros left out,
+    within int64: torch refuses anything past that even when the tensor
+    would be empty, and a file must not make it raise.
+    """
+    nonzero = 1
+    for d in shape:
+        if d < 0:
+            return f"negative dimension in shape {list(shape)}"
+        nonzero *= max(d, 1)
+    if nonzero > _I64_MAX:
+        return f"shape {list(shape)} overflows: its sizes multiply past 2**63 - 1"
+    return None
 
 
 def check_encodable(name: object, tensor: object) -> bytes:
@@ -448,16 +467,10 @@ class Decoder:
         if ndim > MAX_NDIM:
             raise self._fail(f"ndim {ndim} exceeds the limit {MAX_NDIM}", self._pos - 4)
         shape = struct.unpack(f"<{ndim}q", self._read(8 * ndim, "shape"))
-        numel = 1
-        nonzero = 1  # sizes past int64 are no tensor (torch refuses them even when numel is 0)
-        for d in shape:
-            if d < 0:
-                raise self._fail(f"negative dimension in shape {list(shape)}", self._pos - 8 * ndim)
-            numel *= d
-            nonzero *= max(d, 1)
-        if nonzero > _I64_MAX:
-            raise self._fail(f"shape {list(shape)} overflows: its sizes multiply past 2**63 - 1",
-                             self._pos - 8 * ndim)
+        problem = shape_problem(shape)
+        if problem:
+            raise self._fail(problem, self._pos - 8 * ndim)
+        numel = math.prod(shape)
         tag_at = self._pos
         tag = self._read(1, "dtype tag")[0]
         dtype = TAG_TO_DTYPE.get(tag)

@@ -44,8 +44,11 @@ from typing import Any
 
 import msgpack
 
+from ..errors import FormatError
+from .bounded import decode
+
 __all__ = ["SLOT", "WRITE", "FREE", "STOP", "READY", "SLOT_OK", "DONE", "MAX_METADATA",
-           "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
+           "MAX_NESTING", "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
            "unpack_value"]
 
 SLOT = "slot"
@@ -61,6 +64,15 @@ DONE = "done"
 MAX_METADATA = 64 << 20
 
 _TUPLE, _REF, _OBJECT, _INLINE = 1, 2, 3, 4
+_NESTED = (_TUPLE, _OBJECT, _INLINE)  # extension payloads that are msgpack themselves
+
+# How deep a value read back may nest, containers and extension values
+# together. A state tree nests at most snapsvc.state.tree.MAX_DEPTH (64)
+# containers below the metadata's map; each level costs at most 3 here (an
+# object's extension, its list, its state dict; a tuple costs 2), and the
+# deepest leaf 6 more (a module's node and dict, an inline tensor's extension,
+# list and shape). A file past this is not one snapsvc wrote.
+MAX_NESTING = 3 * 64 + 16
 
 
 @dataclass(frozen=True)
@@ -102,20 +114,25 @@ def _default(obj: Any) -> msgpack.ExtType:
     raise TypeError(f"cannot serialize a {type(obj).__name__}")
 
 
-def _ext(code: int, data: bytes) -> Any:
-    if code == _REF:
-        return TensorRef(data.decode("utf-8"))
-    value = unpack_value(data)
-    if code == _TUPLE and type(value) is list:
+def _ext(code: int, value: Any, offset: int) -> Any:
+    """The value of extension ``code``: ``value`` is its raw payload for a
+    TensorRef, else the msgpack value the payload held."""
+    if code == _REF and type(value) is bytes:
+        try:
+            return TensorRef(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass
+    elif code == _TUPLE and type(value) is list:
         return tuple(value)
-    if code == _OBJECT and type(value) is list and len(value) == 3:
+    elif code == _OBJECT and type(value) is list and len(value) == 3 \
+            and type(value[0]) is str and type(value[1]) is str:
         return ObjectNode(*value)
-    if code == _INLINE and type(value) is list and len(value) == 3:
+    elif code == _INLINE and type(value) is list and len(value) == 3:
         dtype, shape, raw = value
         if type(dtype) is str and type(shape) is list and type(raw) is bytes \
                 and all(type(d) is int and d >= 0 for d in shape):
             return InlineTensor(dtype, tuple(shape), raw)
-    raise ValueError(f"malformed msgpack extension type {code}")
+    raise FormatError(f"malformed msgpack extension type {code}", offset=offset)
 
 
 def pack_value(obj: Any) -> bytes:
@@ -125,15 +142,11 @@ def pack_value(obj: Any) -> bytes:
 
 
 def unpack_value(data: bytes) -> Any:
-    """The inverse of :func:`pack_value`. Any error in ``data`` raises ``ValueError``
-    (or a subclass); lengths are bounded by ``len(data)``."""
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext,
-                               use_list=True)
-    except ValueError:
-        raise
-    except Exception as e:  # msgpack raises several unrelated types for bad bytes
-        raise ValueError(f"not valid msgpack ({type(e).__name__}: {e})") from None
+    """The inverse of :func:`pack_value`, for any bytes: a malformed, too deeply
+    nested or over-long input raises :class:`~snapsvc.errors.FormatError` (a
+    ``ValueError``) with its offset, in memory proportional to ``len(data)``
+    and without recursion (see :mod:`snapsvc.format.bounded`)."""
+    return decode(data, _ext, _NESTED, MAX_NESTING)
 
 
 def pack(op: str, **fields: Any) -> bytes:

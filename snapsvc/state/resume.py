@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import FormatError
+from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from ..files.meta import Meta, meta_path, optim_path, read_meta
-from .tree import restore_state
+from .tree import restore_state, set_model_extra_states
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]
@@ -44,8 +44,10 @@ def _plain(value: Any, where: str) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return [_plain(v, where) for v in value]
-    raise TypeError(f"{where} is a {type(value).__name__}; snapsvc stores optimizer "
-                    "hyperparameters and non-tensor state as msgpack scalars and lists")
+    raise UnsupportedStateError(
+        f"{where} is a {type(value).__name__}; submit(model, optimizer=) stores an optimizer's "
+        "hyperparameters and non-tensor state as numbers, str and lists of them; "
+        "submit({'model': model, 'opt': opt}, path) stores any optimizer state", path=where)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
@@ -59,8 +61,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
         try:
             params = [names[id(p)] for p in group["params"]]
         except KeyError:
-            raise ValueError(f"param group {i} of the optimizer holds a tensor that is not a "
-                             "parameter of the submitted model") from None
+            raise ArchitectureMismatchError(
+                f"param group {i} of the optimizer holds a tensor that is not a parameter of "
+                "the submitted model; pass the optimizer of this model") from None
         hyper = {k: _plain(v, f"param group {i} key {k!r}") for k, v in group.items()
                  if k != "params"}
         groups.append({"params": params, "hyper": hyper})
@@ -82,14 +85,16 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
                          where: str) -> dict[str, Any]:
     """Rebuild, and check, a ``state_dict`` for ``optimizer`` from saved names."""
     if info.get("class") != type(optimizer).__name__:
-        raise ValueError(f"{where}: saved optimizer is {info.get('class')}, "
-                         f"restoring into {type(optimizer).__name__}")
+        raise ArchitectureMismatchError(
+            f"{where}: the saved optimizer is a {info.get('class')}, the live one a "
+            f"{type(optimizer).__name__}; restore into the optimizer class that saved it")
     names = {id(p): n for n, p in model.named_parameters()}
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     saved = [g["params"] for g in info["groups"]]
     if current != saved:
-        raise ValueError(f"{where}: the optimizer's param groups {_shape(current)} do not match "
-                         f"the saved ones {_shape(saved)}; build the optimizer the same way")
+        raise ArchitectureMismatchError(
+            f"{where}: the optimizer's param groups {_shape(current)} do not match the saved "
+            f"ones {_shape(saved)}; build the optimizer the same way")
     index = {name: i for i, name in enumerate(n for g in saved for n in g)}
     state: dict[int, dict[str, Any]] = {}
     for entry, t in tensors.items():
@@ -98,6 +103,8 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
             raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
         state.setdefault(index[name], {})[key] = t
     for name, values in info["scalars"].items():
+        if name not in index:
+            raise FormatError(f"optimizer state for unknown parameter {name!r}", path=where)
         state.setdefault(index[name], {}).update(values)
     groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
     return {"state": state, "param_groups": groups}
@@ -164,6 +171,7 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
         optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
     report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
+    set_model_extra_states(model, meta.extra_state, report)
     if optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ from torch import nn
 from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers, read_verified
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, EncodeError, FormatError, ShapeMismatchError, \
-    StrictLoadError, UnsupportedStateError
+    StrictLoadError, TargetNotWritableError, UnsupportedStateError
 from ..files.meta import read_meta
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
@@ -216,6 +218,9 @@ class _Walker:
         if type(t) not in (torch.Tensor, nn.Parameter):
             raise self.refuse(path, f"a tensor subclass {type(t).__name__} (for DTensor use "
                                 "DistributedSnapshotWriter, or pass .to_local())")
+        if t.is_nested:
+            raise self.refuse(path, "a nested tensor (store its parts: .unbind(), or "
+                                "a padded copy: .to_padded_tensor(0))")
         if t.layout != torch.strided:
             raise self.refuse(path, f"a {t.layout} tensor (convert with .to_dense())")
         if t.is_quantized or t.device.type == "meta":
@@ -245,7 +250,8 @@ class _Walker:
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
         own_names = len(path) == 1 and path[0] == self.model_key
         tensors: dict[str, Any] = {}
-        for kind, pairs in (("param", m.named_parameters()), ("buffer", persistent_buffers(m))):
+        params, buffers = list(m.named_parameters()), list(persistent_buffers(m))
+        for kind, pairs in (("param", params), ("buffer", buffers)):
             for pname, t in pairs:
                 where = path + (pname,)
                 if own_names and t.dtype in fdl.DTYPE_TO_TAG:
@@ -253,17 +259,29 @@ class _Walker:
                 else:
                     tensors[pname] = self.tensor(t, where, STATE_STEP if kind == "param"
                                                  else STATE)
-        if own_names:
-            self.flat.structural_hash = layout_hash(self.flat.params, self.flat.buffers)
+        for key, sub in extra_states(m):  # as state_dict() has them, after their tensors
+            tensors[key] = self.value(sub.get_extra_state(), path + (key,))
+        if own_names:  # the model's own hash, every tensor counted: load_checkpoint checks it
+            self.flat.structural_hash = layout_hash(params, buffers)
         return ObjectNode("module", type(m).__name__, _in_state_dict_order(m, tensors))
 
 
+def extra_states(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(state_dict key, submodule) of every submodule that keeps extra state
+    (overrides ``get_extra_state``), as ``m.state_dict()`` names it."""
+    return [(f"{prefix}.{_EXTRA}" if prefix else _EXTRA, mod) for prefix, mod in m.named_modules()
+            if type(mod).get_extra_state is not nn.Module.get_extra_state]
+
+
+_EXTRA = "_extra_state"  # torch's key (torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
+
+
 def _in_state_dict_order(m: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
-    """``tensors`` (params, then buffers) reordered as ``m.state_dict()`` lists
-    them, module by module, without calling its hooks."""
+    """``tensors`` (params, buffers, extra states) reordered as ``m.state_dict()``
+    lists them, module by module, without calling its hooks."""
     out = {}
     for prefix, mod in m.named_modules():
-        for name in (*mod._parameters, *mod._buffers):
+        for name in (*mod._parameters, *mod._buffers, _EXTRA):
             full = f"{prefix}.{name}" if prefix else name
             if full in tensors:
                 out[full] = tensors[full]
@@ -292,6 +310,28 @@ def flatten(state: Mapping) -> Flat:
     return w.flat
 
 
+def model_extra_states(m: nn.Module) -> dict[str, Any] | None:
+    """A model submit's extra states (``get_extra_state()`` by state_dict key),
+    kept as plain data in the metadata; None when no submodule has any.
+    Tensors there need a state mapping (``submit({"model": m}, path)``)."""
+    found = extra_states(m)
+    return {key: check_plain(mod.get_extra_state(), f"extra state {key!r}")
+            for key, mod in found} if found else None
+
+
+def set_model_extra_states(m: nn.Module, saved: dict[str, Any] | None, report: LoadReport) -> None:
+    """Give ``m``'s submodules their saved extra states; the rest go in ``report``."""
+    saved = saved or {}
+    live = dict(extra_states(m))
+    for key, mod in live.items():
+        if key in saved:
+            mod.set_extra_state(saved[key])
+            report.loaded.append(key)
+        else:
+            report.missing.append(key)
+    report.skipped += [key for key in saved if key not in live]
+
+
 def check_plain(value: Any, what: str) -> Any:
     """Validate ``value`` (the ``extra=`` of a model submit) as plain data."""
     return _Walker(None, tensors_ok=False, root=what).value(value, ())
@@ -302,9 +342,10 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
     dtype = INLINE_DTYPES.get(node.dtype)
     if dtype is None:
         raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
-    numel = 1
-    for d in node.shape:
-        numel *= d
+    problem = fdl.shape_problem(node.shape)
+    if problem:
+        raise FormatError(f"inline tensor: {problem}", path=where)
+    numel = math.prod(node.shape)
     if numel * dtype.itemsize != len(node.data):
         raise FormatError(f"inline tensor of shape {list(node.shape)} and dtype {node.dtype} "
                           f"needs {numel * dtype.itemsize} bytes, has {len(node.data)}",
@@ -312,6 +353,9 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
     if not node.data:
         return torch.empty(node.shape, dtype=dtype)
     return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+
+
+_KINDS = ("module", "optimizer", "stateful")  # the ObjectNode kinds the walker writes
 
 
 class _Rebuild:
@@ -323,8 +367,10 @@ class _Rebuild:
 
     def __call__(self, node: Any) -> Any:
         t = type(node)
-        if t is ObjectNode and not self.keep:
-            return self(node.value)
+        if t is ObjectNode:
+            self.check_object(node)
+            if not self.keep:
+                return self(node.value)
         if t is TensorRef:
             if node.name not in self.entries:
                 raise FormatError(f"the metadata names entry {node.name!r}, which the "
@@ -342,6 +388,22 @@ class _Rebuild:
         if t is tuple:
             return tuple(self(v) for v in node)
         return node
+
+    def check_object(self, node: ObjectNode) -> None:
+        """A live object's node holds its state dict, as the walker wrote it:
+        never a non-map where ``load_state_dict`` will want a map."""
+        value = node.value
+        if node.kind not in _KINDS or type(value) is not dict:
+            raise FormatError(f"the metadata holds a {node.kind!r} node of class {node.cls!r} "
+                              f"whose state is a {type(value).__name__}; expected one of "
+                              f"{_KINDS} holding a map", path=self.where)
+        if node.kind == "optimizer":
+            groups = value.get("param_groups")
+            if type(value.get("state")) is not dict or type(groups) is not list or not all(
+                    type(g) is dict and type(g.get("params")) is list
+                    and all(type(i) is int for i in g["params"]) for g in groups):
+                raise FormatError(f"the metadata's {node.cls} optimizer state lacks a state map "
+                                  "or param groups of parameter indices", path=self.where)
 
 
 def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
@@ -365,7 +427,10 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
 
     Modules, optimizers and stateful objects come back as their
     ``state_dict()`` at submit; key types, tuples, bytes, None and
-    non-finite floats come back exactly.
+    non-finite floats come back exactly. An ``nn.Parameter`` comes back as
+    a plain ``torch.Tensor`` (``requires_grad=False``), deliberately: the file
+    keeps data, not autograd; ``restore`` copies it into the live parameter,
+    which stays a parameter.
     """
     return _read(os.fspath(path), keep_objects=False)[1]
 
@@ -375,7 +440,26 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
 class _Plan:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     loads: list[tuple[Any, Any]] = field(default_factory=list)  # (object, state dict)
+    extras: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, extra state)
     report: LoadReport = field(default_factory=LoadReport)
+
+
+@dataclass(frozen=True)
+class _ExtraState:
+    """A restore target: the extra state of ``module`` (``set_extra_state``)."""
+
+    module: nn.Module
+
+
+def _unwritable(t: torch.Tensor) -> str | None:
+    """Why ``copy_`` into ``t`` would fail, or None."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return ("an inference tensor (made under torch.inference_mode), which cannot be "
+                "written outside it; restore into a tensor made outside inference mode")
+    if torch._debug_has_internal_overlap(t) == 1:  # MemOverlap::Yes: copy_ refuses it
+        return ("a view whose elements share memory (an expand()ed tensor); restore into "
+                "a tensor with memory of its own (.clone())")
+    return None
 
 
 class _Matcher:
@@ -390,20 +474,38 @@ class _Matcher:
         if saved.shape != live.shape:
             raise ShapeMismatchError(f"{self.where}: {_show(path)}: checkpoint shape "
                                      f"{list(saved.shape)} but live shape {list(live.shape)}")
+        problem = _unwritable(live)
+        if problem:
+            raise TargetNotWritableError(f"{self.where}: {_show(path)} is {problem}")
         self.plan.copies.append((live, saved))
         self.plan.report.loaded.append(_name(path))
+
+    def same_class(self, live: Any, saved: Any, path: tuple) -> None:
+        """An optimizer, scheduler or stateful object takes only the state its own
+        class saved: another class's ``load_state_dict`` may take it silently
+        (StepLR into CosineAnnealingLR) or fail half-way (SGD into Adam)."""
+        if type(saved) is ObjectNode and saved.kind in ("optimizer", "stateful") \
+                and saved.cls != type(live).__name__:
+            raise ArchitectureMismatchError(
+                f"{self.where}: {_show(path)} was saved from a {saved.cls}, the live object "
+                f"is a {type(live).__name__}; restore into the class that saved it")
 
     def match(self, live: Any, saved: Any, path: tuple) -> None:
         kind = saved.kind if type(saved) is ObjectNode else None
         value = saved.value if type(saved) is ObjectNode else saved
         if isinstance(live, torch.Tensor):
             self.tensor(live, value, path)
+        elif isinstance(live, _ExtraState):
+            self.plan.extras.append((live.module, value))
+            self.plan.report.loaded.append(_name(path))
         elif isinstance(live, nn.Module):
             self.module(live, value, path)
         elif isinstance(live, torch.optim.Optimizer):
+            self.same_class(live, saved, path)
             self.optimizer(live, value, path, kind)
         elif callable(getattr(live, "state_dict", None)) \
                 and callable(getattr(live, "load_state_dict", None)):
+            self.same_class(live, saved, path)
             if not isinstance(value, dict):
                 raise ArchitectureMismatchError(f"{self.where}: {_show(path)} holds a "
                                                 f"{type(value).__name__}, not a state dict")
@@ -434,13 +536,17 @@ class _Matcher:
         if not isinstance(saved, dict):
             raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a module here, "
                                             f"a {type(saved).__name__} in the checkpoint")
-        targets = dict(live.named_parameters())
+        targets: dict[str, Any] = dict(live.named_parameters())
         targets.update(persistent_buffers(live))
-        self.mapping(targets, saved, path)  # its tensors by name, as any mapping
+        targets.update((key, _ExtraState(mod)) for key, mod in extra_states(live))
+        self.mapping(targets, saved, path)  # its tensors and extra states by name
         self.plan.report.restored.append(_name(path))
 
     def optimizer(self, live: torch.optim.Optimizer, saved: Any, path: tuple,
                   kind: str | None) -> None:
+        """What torch's ``load_state_dict`` checks, checked first: as many
+        parameters per group. State tensors may have any shape (Adafactor's
+        factored rows, LBFGS's flat history), as torch allows."""
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if kind not in (None, "optimizer") or not isinstance(groups, list) \
                 or not isinstance(saved.get("state"), dict):
@@ -455,18 +561,11 @@ class _Matcher:
             raise ArchitectureMismatchError(
                 f"{self.where}: {_show(path)}: the optimizer's param groups hold {have} "
                 f"parameters, the checkpoint's {want}; build the optimizer the same way")
-        params = [p for g in live.param_groups for p in g["params"]]
+        count = sum(have)
         for index, state in saved["state"].items():
-            if type(index) is not int or not 0 <= index < len(params) \
-                    or not isinstance(state, dict):
+            if type(index) is not int or not 0 <= index < count or not isinstance(state, dict):
                 raise FormatError(f"{_show(path)}: optimizer state for parameter {index!r}, "
                                   f"which the optimizer lacks", path=self.where)
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() and \
-                        value.shape != params[index].shape:
-                    raise ShapeMismatchError(
-                        f"{self.where}: {_show(path)}: state {key!r} of parameter {index} has "
-                        f"shape {list(value.shape)}, the parameter {list(params[index].shape)}")
         self.plan.loads.append((live, saved))
         self.plan.report.restored.append(_name(path))
 
@@ -491,28 +590,35 @@ def restore_state(path: str | os.PathLike[str], target: Mapping, *,
 
 
 def _apply(plan: _Plan) -> None:
-    """Everything checked: load objects, then copy tensors in place.
+    """Everything checked: load objects, set extra states, copy tensors; all or nothing.
 
-    A stateful object's ``load_state_dict`` cannot be checked beforehand, so
-    those run first, each with a copy of its state to undo them if a later
-    one raises; optimizers were checked against their parameters and run
-    next without a copy (theirs would double the memory of their state).
+    What the checks cannot foresee (a ``load_state_dict`` or ``copy_`` that
+    raises) undoes every change already made, in reverse order, then
+    re-raises. The undo keeps: an optimizer's previous ``state_dict()`` (its
+    tensors by reference: loading replaces them, never writes into them),
+    a deep copy of every other object's state, and a CPU copy of each live
+    tensor before it is overwritten (so a restore holds up to the restored
+    tensors' size in extra host memory until it returns).
     """
-    done: list[tuple[Any, Any]] = []
-    loads = sorted(plan.loads, key=lambda o: isinstance(o[0], torch.optim.Optimizer))
-    for obj, sd in loads:
-        backup = None if isinstance(obj, torch.optim.Optimizer) \
-            else copy.deepcopy(obj.state_dict())
-        try:
+    undo: list[Callable[[], Any]] = []
+    try:
+        for obj, sd in plan.loads:
+            previous = obj.state_dict()
+            if not isinstance(obj, torch.optim.Optimizer):
+                previous = copy.deepcopy(previous)
+            undo.append(functools.partial(obj.load_state_dict, previous))  # undoes a half-load too
             obj.load_state_dict(sd)
-        except BaseException:
-            for prev, prev_sd in reversed(done):
-                prev.load_state_dict(prev_sd)
-            if backup is not None:
-                obj.load_state_dict(backup)
-            raise
-        if backup is not None:
-            done.append((obj, backup))
-    with torch.no_grad():
-        for live, saved in plan.copies:
-            live.copy_(saved)
+        for module, state in plan.extras:
+            undo.append(functools.partial(module.set_extra_state,
+                                          copy.deepcopy(module.get_extra_state())))
+            module.set_extra_state(state)
+        with torch.no_grad():
+            for live, saved in plan.copies:
+                previous = live.detach().to("cpu", copy=True)
+                live.copy_(saved)
+                undo.append(functools.partial(live.copy_, previous))
+    except BaseException:
+        with torch.no_grad():
+            for step in reversed(undo):
+                step()
+        raise
