@@ -145,5 +145,5 @@ def main() -> None:
             f.write(text + "\n")
 
 
-if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+if __name__ == "__main__":
     sys.exit(main())

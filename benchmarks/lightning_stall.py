@@ -193,5 +193,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+if __name__ == "__main__":
     sys.exit(main())

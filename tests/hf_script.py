@@ -112,5 +112,5 @@ def main() -> None:
         save_file(weights(trainer.model), result)
 
 
-if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+if __name__ == "__main__":
     main()

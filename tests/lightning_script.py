@@ -76,7 +76,7 @@ def fit(flavour: str, io: str, dirpath: str, max_epochs: int, ckpt_path: str | N
     return trainer, model, len(batches)
 
 
-if __name__ == "__main__":  # the sidecar is spawned: it re-imports this module
+if __name__ == "__main__":
     flavour, io, dirpath, epochs, ckpt_path, out = sys.argv[1:]
     trainer, model, batches = fit(flavour, io, dirpath, int(epochs), ckpt_path or None)
     torch.save(model.state_dict(), out)
