@@ -4,6 +4,8 @@
 
     wait for this rank's write (write_timeout)
     all_gather (ok | error, step, size, crc32, entries)      [coord group]
+    (a state whose outline differs between ranks: all_gather the outlines,
+     then fail naming the ranks and paths)                    [coord group]
     rank 0: if every rank ok, write the manifest
     broadcast (committed, error) from rank 0                 [coord group]
     resolve the handle: a report, or DistributedCheckpointError naming the ranks
@@ -128,7 +130,8 @@ class Coordinator:
     def _local(self, item: _Item) -> tuple[dict[str, Any], WriteReport | None]:
         """This rank's outcome, as sent to the others."""
         out: dict[str, Any] = {"step": item.step, "ok": False, "error": None,
-                               "host": self.host, "pid": os.getpid()}
+                               "host": self.host, "pid": os.getpid(), "what": item.what,
+                               "digests": item.digests}
         if item.error is not None:
             out["error"] = f"submit() raised {_reason(item.error)}"
             return out, None
@@ -163,6 +166,19 @@ class Coordinator:
                    crc32=meta.crc32, optim=optim, entries=entries)
         return out, report
 
+    def _differences(self, item: _Item) -> dict[int, str]:
+        """The ranks whose state's structure differs from rank 0's, and how (a
+        second exchange: of the outlines, each a line per leaf)."""
+        outlines = _all_gather_msg(item.outline, self.world_size, self.group)
+        first, out = set(outlines[0]), {}
+        for r, lines in enumerate(outlines[1:], 1):
+            extra, lacks = sorted(set(lines) - first), sorted(first - set(lines))
+            if extra or lacks:
+                out[r] = (f"its state differs from rank 0's: it has {extra[:3]} where rank 0 "
+                          f"has {lacks[:3]} (every rank must submit the same keys, with values "
+                          "of the same kinds)")
+        return out or {0: "the ranks' states have the same leaves in different orders"}
+
     def _one(self, item: _Item) -> None:
         step = item.step
         if self.broken is not None:
@@ -187,10 +203,23 @@ class Coordinator:
         if len(set(steps)) > 1:
             failures = {r: f"submitted step {s} (ranks out of step: every rank must submit the "
                         "same steps in the same order)" for r, s in enumerate(steps)}
-        elif not failures and len({g["entries"] is None for g in gathered}) > 1:
-            failures = {r: "submitted a " + ("plain" if g["entries"] is None else "sharded")
-                        + " model (every rank must submit the same model)"
+        elif not failures and len({g["what"] for g in gathered}) > 1:
+            failures = {r: f"submitted a {g['what']} (every rank must submit the same kind)"
                         for r, g in enumerate(gathered)}
+        elif not failures and len({g["digests"][0] for g in gathered if g["digests"]}) > 1:
+            # the same condition on every rank: each holds every digest
+            try:
+                failures = self._differences(item)
+            except Exception as e:
+                self.broken = DistributedCheckpointError(
+                    f"step {step}: exchanging state outlines with the other ranks failed "
+                    f"(coord_timeout={self.coord_timeout:g} s): {_reason(e)}. This writer "
+                    "accepts no more submits.", step=step, timed_out=True)
+                self._fail(item, self.broken)
+                return
+        if item.sharded is not None and "state" in item.sharded:
+            differs = [r for r, g in enumerate(gathered) if g["digests"] != gathered[0]["digests"]]
+            item.sharded["state"]["differs"] = differs
         decision: list[Any] = [False, None]
         if self.rank == 0 and not failures:
             try:

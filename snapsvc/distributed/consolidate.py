@@ -26,9 +26,11 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     ``dst``'s suffix names.
 
     ``step`` is a complete ``step_<N>`` directory saved from a sharded model
-    (FSDP2, DTensor). ``dst`` gets the global tensors under the model's own
-    parameter and buffer names (gzip on ``.gz``), its ``.meta`` (rank 0's
-    epoch, metrics and extra), and, when the optimizer was saved, the
+    (FSDP2, DTensor), or from a state mapping (then its model: the module
+    under ``"model"``, or the only top-level module). ``dst`` gets the global
+    tensors under the model's own parameter and buffer names (gzip on
+    ``.gz``), its ``.meta`` (rank 0's epoch, metrics and extra), and, when the
+    optimizer was saved with ``submit(model, step, optimizer=)``, the
     optimizer file beside it (``x.optim.fdl``), so :func:`snapsvc.restore`
     loads it into a plain model and optimizer. Every piece is checked against
     the manifest's CRC-32 first. Holds the whole model in memory. Returns
@@ -45,6 +47,10 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     if m.sharded is None:
         raise ValueError(f"{m.path} was not saved from a sharded model: each rank<r> file "
                          "already holds that rank's whole model (snapsvc.restore reads it)")
+    if not m.sharded["params"] and not m.sharded["buffers"]:
+        raise ValueError(f"{m.path}: the saved state holds no model (a module under the key "
+                         "'model', or the only module among the top-level values), so there "
+                         "is nothing for one model file")
     saved = _globals(m)
 
     def whole(names: list[str]) -> list[tuple[str, torch.Tensor]]:

@@ -58,7 +58,10 @@ class _Item:
     error: BaseException | None = None
     stage_s: float = 0.0
     records: list[dict[str, Any]] | None = None   # sharded: this rank's pieces, in file order
-    sharded: dict[str, Any] | None = None         # sharded: the model's description
+    sharded: dict[str, Any] | None = None         # sharded: the model's (or state's) description
+    what: str = "model"                           # "model", "sharded model" or "state mapping"
+    outline: list[str] | None = None              # state: its structure (state.tree.outline)
+    digests: tuple[str, str] | None = None        # state: of the outline, of the whole tree
 
 
 def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None = None) -> None:

@@ -1,21 +1,28 @@
-"""``restore_distributed``: load a multi-rank checkpoint into this rank's model.
+"""``restore_distributed``: load a multi-rank checkpoint into this rank's model,
+or into a mapping of live objects.
 
-A plain checkpoint is restored rank by rank; a sharded one is resharded to
-this rank's placements at any world size, reading only the entries it needs.
-Everything is checked before anything changes.
+A plain checkpoint is restored rank by rank; a sharded one (a sharded model,
+or any state mapping) is resharded to this rank's placements at any world
+size, reading only the entries it needs. Everything is checked before
+anything changes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 import torch
 from torch import nn
 
-from ..files.checkpoint import LoadReport, model_tensors
-from ..errors import FormatError, ShapeMismatchError, StrictLoadError, WorldSizeMismatchError
+from ..files.checkpoint import LoadReport, model_tensors, persistent_buffers
+from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
+    StrictLoadError, WorldSizeMismatchError
 from ..files.meta import read_meta
+from ..format.protocol import ObjectNode, TensorRef
 from ..state.resume import optimizer_state_dict, restore
+from ..state.tree import param_names, path_name, rebuild, restore_tree
 from .coord import _rank_and_world
 from .manifest import Manifest, read_manifest
 from .shards import _dtensor_type, _is_dtensor
@@ -23,12 +30,18 @@ from .pieces import _PieceReader, _globals, _region, _sizes, _user_extra
 
 __all__ = ["restore_distributed"]
 
+log = logging.getLogger("snapsvc")
 
-def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
+
+def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping[Any, Any],
                         optimizer: torch.optim.Optimizer | None = None,
                         process_group: Any = None, *, strict: bool = False,
                         verify: bool = True) -> LoadReport:
     """Restore this rank's part of a complete multi-rank checkpoint.
+
+    ``restore_distributed(path, state_mapping, process_group=None, *, strict,
+    verify)``: a checkpoint submitted as a state mapping, into a mapping of
+    live objects, as :func:`snapsvc.restore` does (see :func:`_restore_state`).
 
     ``path`` is a ``step_<N>`` directory (as :func:`latest_checkpoint`
     returns). Local: no collective is run; a rank that raises should stop
@@ -52,6 +65,15 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module,
     (always: ``verify`` applies to the sharded path's ranged reads).
     """
     m = read_manifest(path)
+    if isinstance(model, Mapping):   # (path, state_mapping, process_group): the third is the group
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("restore_distributed(path, state_mapping) takes optimizers inside "
+                            "the mapping")
+        if optimizer is not None and process_group is not None:
+            raise TypeError("restore_distributed(path, state_mapping, process_group) takes "
+                            "one process group")
+        rank, _ = _rank_and_world(process_group if optimizer is None else optimizer)
+        return _restore_state(m, model, rank, strict, verify)
     rank, world = _rank_and_world(process_group)
     if m.sharded is not None:
         return _restore_sharded(m, model, optimizer, rank, strict, verify)
@@ -139,3 +161,138 @@ def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optim
     report.epoch, report.metrics = meta.epoch, dict(meta.metrics)
     report.extra = _user_extra(meta.extra)
     return report
+
+
+def _restore_state(m: Manifest, target: Mapping, rank: int, strict: bool,
+                   verify: bool) -> LoadReport:
+    """A state checkpoint into a mapping of live objects, at any world size.
+
+    The saved tree is rank 0's (each rank's non-tensor leaves are in its own
+    ``.meta``; the manifest's ``differs`` lists the ranks whose differed).
+    Each saved tensor is read for the live object it lands in: a DTensor
+    (a module's parameter or buffer, a tensor in the mapping, an optimizer's
+    state shaped like its parameter) gets the block its placements give this
+    rank, anything else the whole global tensor. An optimizer's state is
+    mapped to its parameters by their names in the state's modules, so its
+    parameters may be sharded differently, or listed in another order.
+    Then :func:`snapsvc.state.tree.restore_tree` checks it all and applies it.
+    """
+    info = (m.sharded or {}).get("state")
+    if info is None:
+        raise FormatError("not saved from a state mapping (it was submit(model, step)): use "
+                          "restore_distributed(path, model, optimizer)", path=m.path)
+    meta = read_meta(os.path.join(m.path, m.ranks[0].file))
+    if meta.state is None:
+        raise FormatError("rank 0's metadata holds no state tree", path=m.path)
+    if rank in info.get("differs", ()):
+        log.warning("%s: rank %d saved non-tensor values that differ from rank 0's; the "
+                    "report's state holds rank 0's (this rank's are in its own .meta)",
+                    m.path, rank)
+    resolve = _Resolve(info.get("optimizers") or {}, param_names(target), m.path)
+    tree = resolve.match(target, meta.state, ())
+    saved = _globals(m)
+    unknown = sorted(set(saved) - resolve.names)
+    if unknown:
+        raise FormatError(f"entries {unknown[:3]} are not in rank 0's state tree: the "
+                          "metadata does not belong to this checkpoint", path=m.path)
+    entries: dict[str, torch.Tensor] = {}
+    with _PieceReader(_sizes(m), verify) as reader:
+        for name in resolve.names & set(saved):
+            entries[name] = _read_for(reader, saved[name], resolve.targets.get(name))
+    full, _ = rebuild(tree, entries, m.path)
+    return restore_tree(m.path, meta, full, target, strict=strict)
+
+
+def _read_for(reader: _PieceReader, g: Any, live: torch.Tensor | None) -> torch.Tensor:
+    """Saved tensor ``g`` read for ``live``: as a DTensor like it, else whole."""
+    if live is None or not _is_dtensor(live) or list(live.shape) != g.shape:
+        return reader.assemble(g, [0] * len(g.shape), g.shape)
+    region = _region(live)
+    if region is None:   # this rank is not in the tensor's mesh: it holds nothing of it
+        local = torch.empty([0] * len(g.shape), dtype=g.dtype)
+    else:
+        local = reader.assemble(g, *region)
+    return _dtensor_type().from_local(local.to(live.to_local().device), live.device_mesh,
+                                      live.placements, run_check=False, shape=live.shape,
+                                      stride=live.stride())
+
+
+class _Resolve:
+    """Walks the live mapping beside the saved tree: which live tensor each saved
+    tensor lands in, and each optimizer's state renumbered by parameter name."""
+
+    def __init__(self, saved_params: dict[str, Any], live_names: dict[int, str],
+                 where: str) -> None:
+        self.saved_params = saved_params   # optimizer path -> its params' names, or None
+        self.live_names = live_names
+        self.where = where
+        self.targets: dict[str, torch.Tensor] = {}
+        self.names: set[str] = set()       # every tensor entry the tree names
+
+    def match(self, live: Any, node: Any, path: tuple) -> Any:
+        """``node`` (a saved subtree), for ``live``; the optimizers' renumbered."""
+        t = type(node)
+        if t is TensorRef:
+            self.names.add(node.name)
+            if isinstance(live, torch.Tensor):
+                self.targets[node.name] = live
+            return node
+        if t is ObjectNode:
+            value = node.value
+            if isinstance(live, torch.optim.Optimizer) and isinstance(value, dict):
+                value = self.by_name(live, value, path)
+                params = [p for g in live.param_groups for p in g["params"]]
+                state = value.get("state") if isinstance(value.get("state"), dict) else {}
+                live = {"state": {i: dict.fromkeys(keys, params[i]) for i, keys in state.items()
+                                  if type(i) is int and 0 <= i < len(params)
+                                  and isinstance(keys, dict)}}
+            elif isinstance(live, nn.Module):
+                live = {**dict(live.named_parameters()), **dict(persistent_buffers(live))}
+            elif not isinstance(live, (Mapping, list, tuple)):
+                live = None   # a stateful object: its tensors come back whole
+            return ObjectNode(node.kind, node.cls, self.match(live, value, path))
+        if t is dict:
+            get = live.get if isinstance(live, Mapping) else (lambda k: None)
+            return {k: self.match(get(k), v, path + (k,)) for k, v in node.items()}
+        if t in (list, tuple):
+            same = isinstance(live, (list, tuple)) and len(live) == len(node)
+            return t(self.match(live[i] if same else None, v, path + (i,))
+                     for i, v in enumerate(node))
+        return node
+
+    def by_name(self, live: torch.optim.Optimizer, saved: dict[str, Any], path: tuple
+                ) -> dict[str, Any]:
+        """``saved`` (a state_dict) renumbered for ``live``'s parameters by name, when
+        every parameter of both has one; else as saved (by position)."""
+        names = self.saved_params.get(path_name(path))
+        live_groups = [[self.live_names.get(id(p)) for p in g["params"]]
+                       for g in live.param_groups]
+        groups, state = saved.get("param_groups"), saved.get("state")
+        if names is None or any(None in g for g in live_groups) \
+                or not isinstance(groups, list) or not isinstance(state, dict):
+            return saved
+        try:
+            saved_groups = [[names[i] for i in g["params"]] for g in groups]
+        except (TypeError, KeyError, IndexError):
+            raise FormatError(f"optimizer at {path_name(path)!r}: param_groups do not match the "
+                              "parameter names recorded in the manifest", path=self.where) from None
+        if len(saved_groups) != len(live_groups) or any(
+                sorted(a) != sorted(b) for a, b in zip(saved_groups, live_groups)):
+            raise ArchitectureMismatchError(
+                f"{self.where}: the optimizer at {path_name(path)!r} has param groups of "
+                f"{[len(g) for g in live_groups]} parameters, the checkpoint's "
+                f"{[len(g) for g in saved_groups]}, or other parameters in them; build it "
+                "over the same parameters")
+        index = {n: i for i, n in enumerate(n for g in live_groups for n in g)}
+        renumbered = {}
+        for i, value in state.items():
+            if type(i) is not int or not 0 <= i < len(names):
+                raise FormatError(f"optimizer at {path_name(path)!r}: state for parameter {i!r}, "
+                                  "which it lacks", path=self.where)
+            renumbered[index[names[i]]] = value
+        start = 0
+        new_groups = []
+        for g, lg in zip(groups, live_groups):
+            new_groups.append({**g, "params": list(range(start, start + len(lg)))})
+            start += len(lg)
+        return {**saved, "state": renumbered, "param_groups": new_groups}

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 import torch
 from torch import nn
 
@@ -20,23 +19,14 @@ from ..files.checkpoint import persistent_buffers
 from ..format import fdl
 from ..engine.snapshot import ModelSnapshot
 from ..state.resume import optimizer_state
+from ..state.tree import Flat, dtensor_type as _dtensor_type, find, flatten, \
+    is_dtensor as _is_dtensor, param_names
 
 __all__ = ["SHARDS_KEY"]
 
 
 SHARDS_KEY = "snapsvc_shards"
 _DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
-
-
-def _dtensor_type() -> Any:
-    """``DTensor`` if its module is loaded, else None: no tensor can be one then, and a
-    job without DTensors does not pay for importing it."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
-def _is_dtensor(t: Any) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
 
 
 @dataclass(frozen=True)
@@ -140,3 +130,39 @@ def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank:
     desc = {"params": [n for n, _ in named], "buffers": [n for n, _ in buffers],
             "optimizer": info}
     return ModelSnapshot(first, rest), records, desc
+
+
+@torch.no_grad()
+def _state_plan(state: Mapping, rank: int) -> tuple[Flat, list[dict[str, Any]], dict[str, Any]]:
+    """What this rank stages of a state mapping: its pieces of every tensor (DTensor
+    shards, and the plain tensors on rank 0) as a flattened state (one copy pass),
+    their records in file order, and the description for the manifest.
+
+    The description lists the model's parameter and buffer names (the module
+    that keeps its own names: ``consolidate`` writes it) and, per optimizer,
+    its parameters' entry names in ``param_groups`` order (None when one is in
+    no module of the state), so a restore maps its state by name.
+    """
+    records: dict[str, dict[str, Any]] = {}
+    names: dict[str, list[str]] = {"param": [], "buffer": []}
+
+    def shard(kind: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        if kind in names:
+            names[kind].append(name)
+        piece = _piece(name, kind, t, rank)
+        if piece is None:
+            return None
+        records[name] = piece[1]
+        return piece[0]
+
+    flat = flatten(state, shard)
+    order = [n for n, _ in flat.params] + [n for n, _ in flat.buffers] \
+        + [n for _, n, _ in flat.rest]
+    pnames = param_names(state)
+    optimizers = {}
+    for where, opt in find(state, torch.optim.Optimizer):
+        listed = [pnames.get(id(p)) for g in opt.param_groups for p in g["params"]]
+        optimizers[where] = None if None in listed else listed
+    desc = {"params": names["param"], "buffers": names["buffer"], "optimizer": None,
+            "state": {"optimizers": optimizers}}
+    return flat, [records[n] for n in order], desc

@@ -40,6 +40,7 @@ restarts).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import operator
 import os
@@ -53,12 +54,13 @@ from torch import nn
 
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
-from ..state.tree import check_plain
+from ..format import protocol
+from ..state.tree import check_plain, outline
 from .commit import Coordinator
 from .coord import _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
-from .shards import SHARDS_KEY, _is_sharded, _shard_plan
+from .shards import SHARDS_KEY, _is_sharded, _shard_plan, _state_plan
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport"]
 
@@ -173,20 +175,27 @@ class DistributedSnapshotWriter:
     finish = close
 
     # -- submit --------------------------------------------------------------------
-    def submit(self, model: nn.Module, step: int, *, metrics: Mapping[str, float] | None = None,
-               epoch: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+    def submit(self, model: nn.Module | Mapping[Any, Any], step: int, *,
+               metrics: Mapping[str, float] | None = None, epoch: int | None = None,
+               optimizer: torch.optim.Optimizer | None = None,
                extra: Any = None) -> DistributedWriteHandle:
         """Stage this rank's part of checkpoint ``step``; return once it is copied.
 
+        ``model`` is this rank's model (with ``optimizer`` and ``extra``), or
+        a state mapping with the value rules of :meth:`SnapshotWriter.submit`
+        (modules, optimizers, stateful objects, tensors, plain values), whose
+        DTensors may sit anywhere: each rank stages its pieces of every
+        tensor, a replicated block or plain tensor once (see docs/distributed.md).
         Every rank must submit the same steps, in the same order, each
-        greater than the steps still pending; a step may come again once its
-        earlier checkpoint resolved, unless it is committed (its directory
-        holds a manifest). No collective runs here. The handle resolves
-        once rank 0 committed the manifest (on every rank), or fails on every
-        rank. ``metrics``/``epoch``/``extra`` go to this rank's metadata;
-        rank 0's metrics and epoch also to the manifest. If this raises
-        (after the writer accepted the call), the checkpoint still takes part
-        in coordination, so that the other ranks' handles fail rather than wait.
+        greater than the steps still pending (and a state of the same
+        structure); a step may come again once its earlier checkpoint
+        resolved, unless it is committed (its directory holds a manifest).
+        No collective runs here. The handle resolves once rank 0 committed
+        the manifest (on every rank), or fails on every rank.
+        ``metrics``/``epoch``/``extra`` go to this rank's metadata; rank 0's
+        metrics and epoch also to the manifest. If this raises (after the
+        writer accepted the call), the checkpoint still takes part in
+        coordination, so that the other ranks' handles fail rather than wait.
         """
         if self._closed:
             raise RuntimeError("this DistributedSnapshotWriter is closed; make a new one")
@@ -213,10 +222,19 @@ class DistributedSnapshotWriter:
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
             os.makedirs(d, exist_ok=True)   # every rank: shared filesystem, any may be first
-            if isinstance(model, nn.Module) and _is_sharded(model):
-                if self.compressed:
-                    raise ValueError("a sharded model is saved uncompressed, so that each rank "
-                                     "can read the byte ranges it needs; use compressed=False")
+            if isinstance(model, Mapping):
+                if optimizer is not None or extra is not None:
+                    raise TypeError("with a state mapping, put optimizers and extra values "
+                                    "inside the mapping")
+                self._ranged(item, "a state mapping")
+                flat, item.records, item.sharded = _state_plan(model, self.rank)
+                item.outline = outline(flat.tree)
+                item.digests = (_digest("\n".join(item.outline).encode()),
+                                _digest(protocol.pack_value(flat.tree)))
+                handle.local = self._writer.submit(flat, handle.file, metrics=metrics,
+                                                   epoch=epoch)
+            elif isinstance(model, nn.Module) and _is_sharded(model):
+                self._ranged(item, "a sharded model")
                 extra = check_plain(extra, "extra")   # before it is wrapped: errors name it
                 snap, item.records, item.sharded = _shard_plan(model, optimizer, self.rank)
                 handle.local = self._writer.submit(snap, handle.file, metrics=metrics,
@@ -234,10 +252,21 @@ class DistributedSnapshotWriter:
         self._coord.queue.put(item)
         return handle
 
+    def _ranged(self, item: _Item, what: str) -> None:
+        """``item`` is saved as pieces, read back by byte range."""
+        if self.compressed:
+            raise ValueError(f"{what} is saved uncompressed, so that each rank can read the "
+                             "byte ranges it needs; use compressed=False")
+        item.what = what.removeprefix("a ")
+
     def stats(self) -> dict[str, Any]:
         """Counts of checkpoints, and this rank's SnapshotWriter figures under ``"writer"``."""
         return {**self._coord.counts, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @atexit.register

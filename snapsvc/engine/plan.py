@@ -24,7 +24,7 @@ from ..files.meta import meta_path, optim_path
 from ..format import fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
-from ..state.tree import flatten, model_extra_states
+from ..state.tree import Flat, flatten, model_extra_states
 from .pools import Plan, Pool, Slot, SlotPools, walk
 from .snapshot import ModelSnapshot
 
@@ -85,11 +85,11 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Re
             req.optim = info
         req.extra_state = model_extra_states(obj)
         return req
-    if isinstance(obj, Mapping):
+    if isinstance(obj, (Mapping, Flat)):   # a Flat: a state taken apart already (one rank's)
         if optimizer is not None or extra is not None:
             raise TypeError("with a state mapping, put optimizers and extra values "
                             "inside the mapping")
-        flat = flatten(obj)
+        flat = obj if isinstance(obj, Flat) else flatten(obj)
         req = _entries(flat.params, flat.buffers, state=flat.rest,
                        structural_hash=flat.structural_hash)
         req.tree = flat.tree

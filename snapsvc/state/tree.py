@@ -39,9 +39,10 @@ import ctypes
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,8 +55,9 @@ from ..files.meta import read_meta
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
-__all__ = ["Flat", "flatten", "check_plain", "load", "restore_state", "INLINE_DTYPES",
-           "MAX_DEPTH"]
+__all__ = ["Flat", "Shard", "flatten", "check_plain", "load", "restore_state", "restore_tree",
+           "rebuild", "find", "path_name", "param_names", "outline", "dtensor_type",
+           "is_dtensor", "INLINE_DTYPES", "MAX_DEPTH"]
 
 MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
 _I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
@@ -90,6 +92,17 @@ _INLINE_NAMES: dict[torch.dtype, str] = {
 }
 
 
+def dtensor_type() -> Any:
+    """``DTensor`` if its module is loaded, else None: no tensor can be one then, and a
+    job without DTensors does not pay for importing it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
 def _segment(key: str | int) -> str:
     if type(key) is int:
         return f"#{key}"
@@ -97,13 +110,18 @@ def _segment(key: str | int) -> str:
     return "%23" + s[1:] if s.startswith("#") else s
 
 
-def _name(path: tuple) -> str:
-    """The entry name, or report path, of ``path``."""
+def path_name(path: tuple) -> str:
+    """The entry name, or report path, of ``path`` (a tuple of keys and indices)."""
     return "/".join(_segment(k) for k in path)
 
 
 def _show(path: tuple, root: str = "state") -> str:
     return root + "".join(f"[{k!r}]" for k in path)
+
+
+# (kind, entry name, tensor) -> what this process stages for it, or None when another
+# process writes it; DTensors reach it only with a Shard (snapsvc.distributed)
+Shard = Callable[[str, str, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass
@@ -123,9 +141,11 @@ class Flat:
 
 
 class _Walker:
-    def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state") -> None:
+    def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
+                 shard: Shard | None = None) -> None:
         self.model_key = model_key
         self.tensors_ok = tensors_ok
+        self.shard = shard
         self.root = root
         self.flat = Flat()
         self.names: dict[str, tuple] = {}
@@ -215,9 +235,12 @@ class _Walker:
                               ) from None
 
     def tensor(self, t: torch.Tensor, path: tuple, kind: str, name: str | None = None) -> Any:
-        if type(t) not in (torch.Tensor, nn.Parameter):
-            raise self.refuse(path, f"a tensor subclass {type(t).__name__} (for DTensor use "
-                                "DistributedSnapshotWriter, or pass .to_local())")
+        sharded = type(t) not in (torch.Tensor, nn.Parameter)
+        if sharded and (self.shard is None or not is_dtensor(t)):
+            raise self.refuse(path, f"a tensor subclass {type(t).__name__}" + (
+                " (a sharded tensor: save the state on every rank with "
+                "snapsvc.DistributedSnapshotWriter(...).submit(state, step), or pass "
+                ".full_tensor())" if is_dtensor(t) else ""))
         if t.is_nested:
             raise self.refuse(path, "a nested tensor (store its parts: .unbind(), or "
                                 "a padded copy: .to_padded_tensor(0))")
@@ -226,17 +249,22 @@ class _Walker:
         if t.is_quantized or t.device.type == "meta":
             raise self.refuse(path, "a quantized or meta tensor (no plain data to store)")
         if t.dtype not in fdl.DTYPE_TO_TAG:
+            if sharded:
+                raise self.refuse(path, f"a DTensor of dtype {t.dtype}, which is kept in the "
+                                  "metadata, whole: pass .full_tensor()")
             return self.inline(t, path)
-        name = _name(path) if name is None else name
+        name = path_name(path) if name is None else name
         if name in self.names:
             raise self.refuse(path, f"its entry name {name!r} is taken by "
                                 f"{self.show(self.names[name])} (the model keeps its own names)")
         self.names[name] = path
         fdl.check_encodable(name, t)
-        if kind in (STATE, STATE_STEP):
-            self.flat.rest.append((kind, name, t.detach()))
-        else:
-            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t.detach()))
+        staged = t.detach() if self.shard is None else self.shard(kind, name, t)
+        if staged is not None:   # None: another rank writes it
+            if kind in (STATE, STATE_STEP):
+                self.flat.rest.append((kind, name, staged))
+            else:
+                (self.flat.params if kind == "param" else self.flat.buffers).append((name, staged))
         return TensorRef(name)
 
     def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
@@ -296,16 +324,18 @@ def _model_key(state: Mapping) -> str | None:
     return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
 
 
-def flatten(state: Mapping) -> Flat:
+def flatten(state: Mapping, shard: Shard | None = None) -> Flat:
     """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
 
     Non-tensor leaves are copied into the tree now, and ``state_dict()`` is
     called now, so what is written is the state of this moment once the
-    tensors are staged.
+    tensors are staged. ``shard`` (one rank of a multi-rank checkpoint)
+    accepts DTensors and says what this rank stages of each tensor; the tree
+    names every tensor either way.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
-    w = _Walker(_model_key(state), tensors_ok=True)
+    w = _Walker(_model_key(state), tensors_ok=True, shard=shard)
     w.flat.tree = w.container(state, ())
     return w.flat
 
@@ -330,6 +360,66 @@ def set_model_extra_states(m: nn.Module, saved: dict[str, Any] | None, report: L
         else:
             report.missing.append(key)
     report.skipped += [key for key in saved if key not in live]
+
+
+def find(state: Mapping, types: type | tuple[type, ...]) -> list[tuple[str, Any]]:
+    """(path name, value) of every value of ``types`` in ``state``, reached through
+    dicts, lists and tuples, in the state's order."""
+    out: list[tuple[str, Any]] = []
+
+    def visit(v: Any, path: tuple) -> None:
+        if isinstance(v, types):
+            out.append((path_name(path), v))
+        elif len(path) >= MAX_DEPTH:
+            return
+        elif isinstance(v, Mapping):
+            for k, item in v.items():
+                visit(item, path + (k,))
+        elif type(v) in (list, tuple):
+            for i, item in enumerate(v):
+                visit(item, path + (i,))
+
+    visit(state, ())
+    return out
+
+
+def param_names(state: Mapping) -> dict[int, str]:
+    """``id(parameter)`` -> its entry name, for every module in ``state``: the
+    names a submit gives them."""
+    key, out = _model_key(state), {}
+    own = None if key is None else _segment(key)
+    for where, module in find(state, nn.Module):
+        for n, p in module.named_parameters():
+            out.setdefault(id(p), n if where == own else f"{where}/{_segment(n)}")
+    return out
+
+
+def outline(tree: Any) -> list[str]:
+    """One line per leaf of a flattened tree: its path and what it is (not its
+    value), so two trees of the same structure have the same outline."""
+    out: list[str] = []
+
+    def visit(node: Any, path: tuple) -> None:
+        t = type(node)
+        if t is ObjectNode:
+            out.append(f"{_show(path)}: {node.kind}")
+            visit(node.value, path)
+        elif t is dict:
+            for k, v in node.items():
+                visit(v, path + (k,))
+        elif t in (list, tuple):
+            out.append(f"{_show(path)}: {t.__name__} of {len(node)}")
+            for i, v in enumerate(node):
+                visit(v, path + (i,))
+        elif t is InlineTensor:
+            out.append(f"{_show(path)}: {node.dtype} tensor {list(node.shape)}")
+        elif t is TensorRef:
+            out.append(f"{_show(path)}: tensor {node.name!r}")
+        else:
+            out.append(f"{_show(path)}: {t.__name__}")
+
+    visit(tree, ())
+    return out
 
 
 def check_plain(value: Any, what: str) -> Any:
@@ -422,6 +512,13 @@ def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
     return meta, tree
 
 
+def rebuild(tree: Any, entries: dict[str, torch.Tensor], where: str) -> tuple[Any, set[str]]:
+    """(``tree`` from the metadata with its tensors from ``entries`` and its objects
+    kept, the entry names it used); FormatError if it names one ``entries`` lacks."""
+    r = _Rebuild(entries, where, keep_objects=True)
+    return r(tree), r.used
+
+
 def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
     """The nested state that ``submit(state, path)`` wrote, with tensors on the CPU.
 
@@ -478,7 +575,7 @@ class _Matcher:
         if problem:
             raise TargetNotWritableError(f"{self.where}: {_show(path)} is {problem}")
         self.plan.copies.append((live, saved))
-        self.plan.report.loaded.append(_name(path))
+        self.plan.report.loaded.append(path_name(path))
 
     def same_class(self, live: Any, saved: Any, path: tuple) -> None:
         """An optimizer, scheduler or stateful object takes only the state its own
@@ -497,7 +594,7 @@ class _Matcher:
             self.tensor(live, value, path)
         elif isinstance(live, _ExtraState):
             self.plan.extras.append((live.module, value))
-            self.plan.report.loaded.append(_name(path))
+            self.plan.report.loaded.append(path_name(path))
         elif isinstance(live, nn.Module):
             self.module(live, value, path)
         elif isinstance(live, torch.optim.Optimizer):
@@ -510,7 +607,7 @@ class _Matcher:
                 raise ArchitectureMismatchError(f"{self.where}: {_show(path)} holds a "
                                                 f"{type(value).__name__}, not a state dict")
             self.plan.loads.append((live, value))
-            self.plan.report.restored.append(_name(path))
+            self.plan.report.restored.append(path_name(path))
         elif isinstance(live, Mapping):
             self.mapping(live, value, path)
         elif isinstance(live, (list, tuple)) and isinstance(value, (list, tuple)):
@@ -529,8 +626,8 @@ class _Matcher:
             if k in saved:
                 self.match(v, saved[k], path + (k,))
             else:
-                self.plan.report.missing.append(_name(path + (k,)))
-        self.plan.report.skipped += [_name(path + (k,)) for k in saved if k not in live]
+                self.plan.report.missing.append(path_name(path + (k,)))
+        self.plan.report.skipped += [path_name(path + (k,)) for k in saved if k not in live]
 
     def module(self, live: nn.Module, saved: Any, path: tuple) -> None:
         if not isinstance(saved, dict):
@@ -540,7 +637,7 @@ class _Matcher:
         targets.update(persistent_buffers(live))
         targets.update((key, _ExtraState(mod)) for key, mod in extra_states(live))
         self.mapping(targets, saved, path)  # its tensors and extra states by name
-        self.plan.report.restored.append(_name(path))
+        self.plan.report.restored.append(path_name(path))
 
     def optimizer(self, live: torch.optim.Optimizer, saved: Any, path: tuple,
                   kind: str | None) -> None:
@@ -567,7 +664,7 @@ class _Matcher:
                 raise FormatError(f"{_show(path)}: optimizer state for parameter {index!r}, "
                                   f"which the optimizer lacks", path=self.where)
         self.plan.loads.append((live, saved))
-        self.plan.report.restored.append(_name(path))
+        self.plan.report.restored.append(path_name(path))
 
 
 def restore_state(path: str | os.PathLike[str], target: Mapping, *,
@@ -575,6 +672,13 @@ def restore_state(path: str | os.PathLike[str], target: Mapping, *,
     """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`)."""
     path = os.fspath(path)
     meta, saved = _read(path, keep_objects=True)
+    return restore_tree(path, meta, saved, target, strict=strict)
+
+
+def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
+                 strict: bool = False) -> LoadReport:
+    """Restore ``saved`` (a tree rebuilt with its tensors, objects kept) into
+    ``target``: everything checked, then applied. ``path`` names it in errors."""
     m = _Matcher(path)
     m.mapping(target, saved, ())
     report = m.plan.report
