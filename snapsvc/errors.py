@@ -23,6 +23,7 @@ __all__ = [
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "PathError",
+    "UploadError",
 ]
 
 
@@ -141,3 +142,20 @@ class WorldSizeMismatchError(SnapsvcError, ValueError):
 class PathError(SnapsvcError, ValueError):
     """A checkpoint path that cannot be written as given (e.g. a file name longer
     than the file system allows); raised before anything is written."""
+
+
+class UploadError(SnapsvcError):
+    """A checkpoint durable locally was not copied to the remote tier: the upload
+    failed for good (after retries, or past ``remote_timeout``), was skipped
+    (uploads fell behind; newer ones went first), or the writer stopped first.
+
+    The local checkpoint is unaffected. ``path`` is the local file, ``url``
+    its remote name; ``skipped`` is True when it was passed over, not tried.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, url: str | None = None,
+                 skipped: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.url = url
+        self.skipped = skipped

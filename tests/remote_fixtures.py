@@ -11,6 +11,7 @@ tests that use them are skipped.
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -33,6 +34,7 @@ def moto_endpoint() -> Iterator[str]:
     pytest.importorskip("obstore")
     pytest.importorskip("boto3")
     server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     port = free_port()
     srv = server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     srv.start()

@@ -43,7 +43,9 @@ def test_upload_then_restore_with_the_local_directory_deleted(s3, tmp_path):
                      extra={"step": 1})
         h.result(timeout=60)
         assert h.uploaded(timeout=60) == f"{s3.url}/step1.fdl"
-    assert sorted(s3.keys()) == ["step1.fdl", "step1.fdl.meta", "step1.optim.fdl"]
+        w.submit({"model": model, "opt": opt, "step": 1}, "state.fdl").uploaded(timeout=60)
+    assert sorted(s3.keys()) == ["state.fdl", "state.fdl.meta", "step1.fdl", "step1.fdl.meta",
+                                 "step1.optim.fdl"]
     shutil.rmtree(d)
     url = f"{s3.url}/step1.fdl"
     back, back_opt = _model(seed=1)
@@ -52,8 +54,10 @@ def test_upload_then_restore_with_the_local_directory_deleted(s3, tmp_path):
     assert _same(model, back) and report.extra == {"step": 1}
     assert all(torch.equal(opt.state_dict()["state"][0][k], back_opt.state_dict()["state"][0][k])
                for k in ("exp_avg", "exp_avg_sq"))
-    assert torch.equal(snapsvc.load(url)["0.weight"], model[0].weight.detach())
-    assert [n for n, _ in snapsvc.read_checkpoint(url).entries] == list(model.state_dict())
+    state = snapsvc.load(f"{s3.url}/state.fdl")
+    assert state["step"] == 1 and torch.equal(state["model"]["0.weight"], model[0].weight)
+    ck = snapsvc.read_checkpoint(url)
+    assert ck.path == url and list(ck.entries) == list(model.state_dict())
     assert snapsvc.verify(url).ok
     assert s3.multipart_uploads() == []
 
@@ -77,8 +81,8 @@ def test_flipped_byte_in_a_remote_object_is_refused_and_nothing_changes(s3, tmp_
         assert target_opt.state_dict()["state"][0]["step"] == 1  # its own, untouched
         report = snapsvc.verify(url)
         assert not report.ok and any(key in p for p in report.problems)
-        with pytest.raises(snapsvc.FormatError):
-            snapsvc.load(url)
+        with pytest.raises(snapsvc.FormatError, match=key.replace(".", r"\.")):
+            snapsvc.read_checkpoint(url)
         s3.write(key, good)
     assert snapsvc.verify(url).ok
 

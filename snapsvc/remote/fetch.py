@@ -27,10 +27,11 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 from isal import isal_zlib
 
 from ..errors import FormatError
-from ..meta import META_SUFFIX, read_meta
+from ..files.meta import META_SUFFIX, read_meta
+from ..files.verify import VerifyReport, verify as _verify_local
 from .store import PART, Store, is_url, open_store, scrub, split_url
 
-__all__ = ["fetched", "accepts_url", "run_sync"]
+__all__ = ["fetched", "accepts_url", "verify", "run_sync"]
 
 T = TypeVar("T")
 
@@ -148,5 +149,25 @@ def accepts_url(reader: F) -> F:
         if not is_url(path):
             return reader(path, *args, **kwargs)
         with fetched(path) as local:
-            return reader(local, *args, **kwargs)
+            result = reader(local, *args, **kwargs)
+        if getattr(result, "path", None) == local:  # e.g. Checkpoint.path: name the original
+            result.path = path
+        return result
     return wrapper  # type: ignore[return-value]
+
+
+def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> VerifyReport:
+    """:func:`snapsvc.files.verify.verify`, also for a remote URL: the problems
+    then name the remote objects, and one that cannot be fetched is a problem."""
+    if not is_url(path):
+        return _verify_local(path, require_meta=require_meta)
+    url = str(path)
+    try:
+        with fetched(url) as local:
+            report = _verify_local(local, require_meta=require_meta)
+    except (FormatError, OSError) as e:
+        return VerifyReport(url, problems=[str(e)])
+    root = split_url(url)[0]
+    report.problems = [p.replace(os.path.dirname(local), root) for p in report.problems]
+    report.path = url
+    return report

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -40,10 +41,10 @@ from typing import Any, BinaryIO, Iterator
 
 from isal import isal_zlib
 
-from ..durable import commit, fsync_dir, remove_stale_temps, staged_write, TMP_SUFFIX
+from ..files.durable import commit, fsync_dir, remove_stale_temps, staged_write, TMP_SUFFIX
 
 __all__ = ["SCHEMES", "PART", "Store", "ObjectStore", "DirStore", "StoredObject", "is_url",
-           "open_store", "split_url", "scrub", "CorruptSource"]
+           "open_store", "check_remote", "split_url", "scrub", "CorruptSource"]
 
 # URL schemes that name an object store (obstore's from_url); anything else is a directory
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
@@ -392,3 +393,30 @@ def open_store(location: str | os.PathLike[str], *, remote_timeout: float = 300.
                          f"{', '.join(s + '://' for s in SCHEMES)} or a directory")
     path = os.fspath(location)
     return DirStore(path[len("file://"):] if path.startswith("file://") else path)
+
+
+def check_remote(remote: str | os.PathLike[str] | None, directory: str | None,
+                 keep_last: int | None, timeout: float) -> str | None:
+    """A writer's remote settings checked at construction; the remote as a
+    string (a URL, or a directory made absolute), None without one."""
+    if remote is None:
+        if keep_last is not None:
+            raise ValueError("remote_keep_last needs remote=")
+        return None
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"remote_keep_last must be >= 1 or None, got {keep_last}")
+    if not timeout > 0:
+        raise ValueError(f"remote_timeout must be > 0 seconds, got {timeout}")
+    if directory is None:
+        raise ValueError("remote= needs a directory: a checkpoint's remote name is its path "
+                         "under it")
+    if is_url(remote):
+        if importlib.util.find_spec("obstore") is None:
+            raise ImportError(f"remote={remote!r} needs obstore: pip install 'snapsvc[remote]'")
+        return str(remote).rstrip("/")
+    store = open_store(remote)  # an unknown scheme is a ValueError here
+    assert isinstance(store, DirStore)
+    if os.path.commonpath([store.root, directory]) == directory:
+        raise ValueError(f"remote directory {store.root} is inside the local directory "
+                         f"{directory}; use a directory outside it")
+    return store.root

@@ -48,10 +48,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..durable import TMP_SUFFIX
+from ..files.durable import TMP_SUFFIX
 from ..errors import FormatError
-from ..meta import META_SUFFIX, read_meta
-from ..resume import optim_path
+from ..files.meta import META_SUFFIX, optim_path, read_meta
+
 from .store import CorruptSource, Store, open_store, scrub
 
 __all__ = ["BACKLOG", "UploadJob", "Uploader", "series_of"]
@@ -230,6 +230,10 @@ class Uploader:
                 url, error = await self._upload(store, job), None
             except _Failed as e:
                 url, error = None, str(e)
+            except asyncio.CancelledError:  # close() ran out of time during this one
+                self._on_done(job, None, "not uploaded: the writer closed before its upload "
+                              f"committed (remote_timeout={self.remote_timeout:g} s)", False)
+                raise
             finally:
                 with self._mutex:
                     self._active = False
