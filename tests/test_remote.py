@@ -5,6 +5,7 @@ mid-upload. The parts alone are tested in tests/test_remote_store.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -128,7 +129,7 @@ def test_uploaded_without_remote_is_none_and_times_out_while_pending(unreachable
         h.uploaded(timeout=10)
 
 
-def test_rotation_on_each_tier(s3, tmp_path):
+def test_rotation_on_each_tier(s3, tmp_path, capsys):
     model, opt = _model()
     with snapsvc.SnapshotWriter(tmp_path, keep_last=2, remote=s3.url, remote_keep_last=1) as w:
         for i in (1, 2, 3):
@@ -139,6 +140,19 @@ def test_rotation_on_each_tier(s3, tmp_path):
          "step3.fdl", "step3.fdl.meta", "step3.optim.fdl"])
     assert sorted(s3.keys()) == ["best.fdl", "best.fdl.meta", "step3.fdl", "step3.fdl.meta",
                                  "step3.optim.fdl"]
+    # the CLI shows which tier holds what, and reads and checks a URL
+    from snapsvc.cli.core import main
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--remote", s3.url, "--json"]) == 0
+    listed = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert {n: (c["step"], c["tiers"]) for n, c in listed.items()} == {
+        "step3.fdl": (3, ["local", "remote"]), "step2.fdl": (2, ["local"]),
+        "best.fdl": (None, ["local", "remote"])}
+    assert listed["step3.fdl"]["bytes"] == sum(
+        os.path.getsize(tmp_path / n) for n in ("step3.fdl", "step3.fdl.meta", "step3.optim.fdl"))
+    assert main(["verify", f"{s3.url}/step3.fdl"]) == 0
+    assert main(["inspect", f"{s3.url}/step3.fdl", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["path"] == f"{s3.url}/step3.fdl"
 
 
 def test_mounted_directory_remote(tmp_path):
