@@ -105,3 +105,82 @@ def unreachable_s3(monkeypatch: pytest.MonkeyPatch) -> str:
     pytest.importorskip("obstore")
     _env(monkeypatch, f"http://127.0.0.1:{free_port()}")
     return "s3://nowhere-bucket/ckpt"
+
+
+class FaultProxy:
+    """A loopback TCP proxy in front of ``target``: the first connections meet the
+    faults in ``faults`` ("reset": closed with RST on arrival; "stall": held open,
+    never answered), every later one is forwarded."""
+
+    def __init__(self, target_port: int, faults: list[str]) -> None:
+        import threading
+
+        self.faults = list(faults)
+        self.met: list[str] = []
+        self.target = ("127.0.0.1", target_port)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import struct
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                fault = self.faults.pop(0) if self.faults else None
+                if fault:
+                    self.met.append(fault)
+            if fault == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+            elif fault == "stall":
+                self._held.append(conn)
+            else:
+                up = socket.create_connection(self.target)
+                for a, b in ((conn, up), (up, conn)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self._held:
+            c.close()
+
+
+@pytest.fixture
+def fault_proxy(s3: S3, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``make(faults)``: a FaultProxy before the moto server, the environment's endpoint."""
+    proxies = []
+
+    def make(faults: list[str]) -> FaultProxy:
+        p = FaultProxy(int(s3.endpoint.rsplit(":", 1)[1]), faults)
+        proxies.append(p)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{p.port}")
+        return p
+
+    yield make
+    for p in proxies:
+        p.close()

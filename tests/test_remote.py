@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from remote_fixtures import SECRET, moto_endpoint, s3, unreachable_s3  # noqa: F401
+from remote_fixtures import SECRET, fault_proxy, moto_endpoint, s3, unreachable_s3  # noqa: F401
 
 pytest.importorskip("obstore")
 
@@ -110,6 +110,21 @@ def test_unreachable_remote_fails_uploaded_in_time_and_local_writes_go_on(unreac
             h.uploaded(timeout=0)
     out, err = capfd.readouterr()
     assert SECRET not in out + err
+
+
+def test_connection_resets_and_stalls_are_retried_within_remote_timeout(s3, fault_proxy,
+                                                                        tmp_path):
+    proxy = fault_proxy(["reset", "stall", "reset", "reset", "stall"])
+    model, opt = _model()
+    # a stalled request is cut after 2 s (the default is 30 s, within remote_timeout)
+    with snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_timeout=120,
+                                remote_options={"client_options": {"timeout": "2s"}}) as w:
+        h = w.submit(model, "step1.fdl", optimizer=opt)
+        assert h.uploaded(timeout=150) == f"{s3.url}/step1.fdl"
+    assert proxy.met == ["reset", "stall", "reset", "reset", "stall"]
+    for name in ("step1.fdl", "step1.optim.fdl", "step1.fdl.meta"):
+        assert s3.read(name) == (tmp_path / name).read_bytes()
+    assert s3.multipart_uploads() == []
 
 
 def test_uploaded_without_remote_is_none_and_times_out_while_pending(unreachable_s3, tmp_path):
