@@ -4,7 +4,7 @@
 (``AWS_ENDPOINT_URL``, keys, region) at the server, so a spawned sidecar
 inherits it as a training job inherits its cloud credentials. The server
 starts once per session, on 127.0.0.1 and a free port, in about a second.
-Import the fixtures into a test module; without obstore, moto or boto3 the
+Test modules load it with ``pytest_plugins = ["remote_fixtures"]``; without obstore, moto or boto3 the
 tests that use them are skipped.
 """
 
@@ -97,6 +97,12 @@ def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     client = boto3.client("s3", endpoint_url=moto_endpoint)
     client.create_bucket(Bucket=bucket)
     return S3(moto_endpoint, bucket, "ckpt", client)
+
+
+@pytest.fixture
+def secret() -> str:
+    """The AWS secret key the fixtures set: no message, log or file may contain it."""
+    return SECRET
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from remote_fixtures import SECRET, fault_proxy, moto_endpoint, s3, unreachable_s3  # noqa: F401
+pytest_plugins = ["remote_fixtures"]  # s3, unreachable_s3, fault_proxy, secret
 
 pytest.importorskip("obstore")
 
@@ -89,7 +89,8 @@ def test_flipped_byte_in_a_remote_object_is_refused_and_nothing_changes(s3, tmp_
 
 
 def test_unreachable_remote_fails_uploaded_in_time_and_local_writes_go_on(unreachable_s3,
-                                                                         tmp_path, capfd):
+                                                                         tmp_path, capfd,
+                                                                         secret):
     model, _ = _model()
     t0 = time.monotonic()
     w = snapsvc.SnapshotWriter(tmp_path, remote=unreachable_s3, remote_timeout=3.0)
@@ -100,7 +101,7 @@ def test_unreachable_remote_fails_uploaded_in_time_and_local_writes_go_on(unreac
         with pytest.raises(snapsvc.UploadError) as e:
             handles[-1].uploaded(timeout=60)
         assert isinstance(e.value, snapsvc.SnapsvcError)
-        assert "step3.fdl" in str(e.value) and SECRET not in str(e.value)
+        assert "step3.fdl" in str(e.value) and secret not in str(e.value)
         assert snapsvc.verify(tmp_path / "step3.fdl").ok
     finally:
         w.close()
@@ -109,7 +110,7 @@ def test_unreachable_remote_fails_uploaded_in_time_and_local_writes_go_on(unreac
         with pytest.raises(snapsvc.UploadError):
             h.uploaded(timeout=0)
     out, err = capfd.readouterr()
-    assert SECRET not in out + err
+    assert secret not in out + err
 
 
 def test_connection_resets_and_stalls_are_retried_within_remote_timeout(s3, fault_proxy,

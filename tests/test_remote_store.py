@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from remote_fixtures import SECRET, moto_endpoint, s3, unreachable_s3  # noqa: F401
+pytest_plugins = ["remote_fixtures"]  # s3, unreachable_s3, fault_proxy, secret
 
 pytest.importorskip("obstore")
 from snapsvc.remote import fetched, open_store  # noqa: E402
@@ -167,7 +167,7 @@ def test_remote_retention_deletes_meta_first_and_keeps_best(s3, local):
             "step3.optim.fdl", "best.fdl", "best.fdl.meta", "big.fdl", "big.fdl.meta"} == keys
 
 
-def test_unreachable_remote_fails_within_remote_timeout(unreachable_s3, local):
+def test_unreachable_remote_fails_within_remote_timeout(unreachable_s3, local, secret):
     done = Done()
     up = _uploader(unreachable_s3, local, done, remote_timeout=3.0)
     t0 = time.monotonic()
@@ -178,7 +178,7 @@ def test_unreachable_remote_fails_within_remote_timeout(unreachable_s3, local):
     up.close(5)
     assert url is None and name == "best.fdl"
     assert elapsed < 3.0 + 10  # the deadline, plus a loaded machine's slack
-    assert "127.0.0.1" in error and SECRET not in error
+    assert "127.0.0.1" in error and secret not in error
 
 
 def test_fetch_checks_every_byte_and_names_the_url(s3, local, tmp_path):
