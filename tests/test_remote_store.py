@@ -219,3 +219,29 @@ def test_mounted_directory_remote(local, tmp_path):
                             "step3.fdl.meta", "step3.optim.fdl"])
     for n in names:
         assert (remote / n).read_bytes() == open(os.path.join(local, n), "rb").read()
+
+
+def test_overwrite_uncommits_the_old_copy_first(s3, local):
+    """Re-uploading a name deletes its remote .meta before any data: when the new
+    upload fails (here the local file no longer matches its metadata), the old
+    .meta is not left beside other bytes, and nothing is read from that name."""
+    for name in FILES[:3] + FILES[4:]:
+        for p in snapsvc.checkpoint_files(os.path.join(local, name)):
+            os.unlink(p)
+    done = Done()
+    up = _uploader(s3.url, local, done)
+    up.start()
+    assert done.take(1)[0][1] == f"{s3.url}/best.fdl"
+    with open(os.path.join(local, "best.fdl"), "r+b") as f:  # bytes its .meta does not describe
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x01]))
+    up.enqueue(2, os.path.join(local, "best.fdl"))
+    (_, url, error, _), = done.take(1)
+    up.close(10)
+    assert url is None and "crc32" in error and "not uploaded" in error
+    assert "best.fdl.meta" not in s3.keys()
+    with pytest.raises(snapsvc.FormatError, match="no metadata on the remote tier"):
+        with fetched(f"{s3.url}/best.fdl"):
+            pass
