@@ -176,11 +176,13 @@ class Store:
 
 
 def _defaults(remote_timeout: float) -> dict[str, Any]:
-    """obstore's retry and client settings under ``remote_timeout``: every
-    request retried with jittered backoff until ``remote_timeout`` is spent,
+    """obstore's retry and client settings under ``remote_timeout``: each
+    request retried with jittered backoff for up to a third of it (so the
+    uploader's whole-attempt retries, with the error to report, fit in it too),
     a stalled connection cut after at most 30 s (then retried)."""
     return {
-        "retry_config": {"max_retries": 10, "retry_timeout": timedelta(seconds=remote_timeout),
+        "retry_config": {"max_retries": 10,
+                         "retry_timeout": timedelta(seconds=remote_timeout / 3),
                          "backoff": {"init_backoff": timedelta(milliseconds=100),
                                      "max_backoff": timedelta(seconds=5), "base": 2}},
         # allow_http: a loopback or in-cluster endpoint (AWS_ENDPOINT_URL=http://...)
