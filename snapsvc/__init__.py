@@ -58,14 +58,21 @@ from .errors import (
     SnapsvcError,
     StrictLoadError,
     TargetNotWritableError,
+    UploadError,
     WorldSizeMismatchError,
     WriteFailedError,
     WriterClosedError,
 )
 from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
-from .files.verify import VerifyReport, verify
-from .state.resume import checkpoint_files, restore
-from .state.tree import load
+from .files.verify import VerifyReport
+from .remote.fetch import accepts_url, verify
+from .state.resume import checkpoint_files, restore as _restore
+from .state.tree import load as _load
+
+# A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
+load = accepts_url(_load)
+restore = accepts_url(_restore)
+read_checkpoint = accepts_url(read_checkpoint)
 
 __version__ = "0.1.0"
 
@@ -113,6 +120,7 @@ __all__ = [
     "WriteFailedError",
     "WriterClosedError",
     "TargetNotWritableError",
+    "UploadError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "DistributedSnapshotWriter",

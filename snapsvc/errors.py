@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "TargetNotWritableError",
     "WriterClosedError",
+    "UploadError",
 ]
 
 
@@ -163,3 +164,20 @@ class TargetNotWritableError(SnapsvcError, ValueError):
 
 class WriterClosedError(SnapsvcError, RuntimeError):
     """A call on a :class:`~snapsvc.SnapshotWriter` that was closed; make a new one."""
+
+
+class UploadError(SnapsvcError):
+    """A checkpoint durable locally was not copied to the remote tier: the upload
+    failed for good (after retries, or past ``remote_timeout``), was skipped
+    (uploads fell behind; newer ones went first), or the writer stopped first.
+
+    The local checkpoint is unaffected. ``path`` is the local file, ``url``
+    its remote name; ``skipped`` is True when it was passed over, not tried.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, url: str | None = None,
+                 skipped: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.url = url
+        self.skipped = skipped

@@ -1,4 +1,6 @@
-"""``snapsvc inspect`` and ``snapsvc verify``: read checkpoints, change nothing.
+"""``snapsvc inspect``, ``snapsvc verify`` and ``snapsvc ls``: read checkpoints, change nothing.
+
+Each takes a remote URL (``s3://``, ``gs://``, ``az://``) as well as a local path.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import os
 from ..errors import SnapsvcError
 from ..files.convert import FileInfo, describe_file, file_format
 from ..files.meta import META_SUFFIX, meta_path, optim_path, read_meta
-from ..files.verify import VerifyReport, verify
+from ..files.verify import VerifyReport
+from ..remote.fetch import fetched, verify
+from ..remote.listing import list_checkpoints
+from ..remote.store import is_url
 from .core import EXIT_FAILURE, EXIT_OK, ProgressBar, _printable, human_bytes, register
 
 
@@ -163,15 +168,26 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
           "dtype, shape, bytes) without loading tensor data, and its <FILE>.meta when "
           "present.", arguments=_inspect_arguments)
 def _inspect(args: argparse.Namespace) -> int:
-    try:
-        kind = file_format(args.file)
-    except ValueError:
-        kind = "fdl"  # snapsvc's own format needs no suffix; the decoder checks the magic
-    info = describe_file(args.file, format=kind)
-    meta, meta_error = _meta_summary(args.file) if kind == "fdl" else (None, None)
+    if is_url(args.file):  # a checked local copy, shown under its URL
+        with fetched(args.file) as local:
+            info, meta, meta_error = _describe(local)
+        info.path = args.file
+        if meta is not None:
+            meta["path"] = meta_path(args.file)
+    else:
+        info, meta, meta_error = _describe(args.file)
     print(_inspect_json(info, meta, meta_error) if args.json
           else _inspect_text(info, meta, meta_error))
     return EXIT_OK
+
+
+def _describe(path: str) -> tuple[FileInfo, dict | None, str | None]:
+    try:
+        kind = file_format(path)
+    except ValueError:
+        kind = "fdl"  # snapsvc's own format needs no suffix; the decoder checks the magic
+    info = describe_file(path, format=kind)
+    return (info, *(_meta_summary(path) if kind == "fdl" else (None, None)))
 
 
 # -- verify -------------------------------------------------------------------------
@@ -233,7 +249,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(step, flush=True)
                 failed += not step.ok
                 continue
-            part = _part_of(path)
+            part = None if is_url(path) else _part_of(path)
             owner = path if part is None else part[0]
             first = owner not in reports
             if first:
@@ -273,3 +289,37 @@ def _verify_part(path: str, role: str, report: VerifyReport, no_meta: bool
     if report.ok:
         return [f"{path}: OK, checked as the {role} of {owner}"], True
     return [f"{path}: FAILED, checked as the {role} of {owner} (see its problems)"], False
+
+
+# -- ls -----------------------------------------------------------------------------
+def _ls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("location", metavar="URL_OR_DIR", help="a checkpoint directory or a remote "
+                   "URL (s3://bucket/prefix, gs://..., az://...)")
+    p.add_argument("--remote", metavar="URL_OR_DIR", help="the remote tier of a local "
+                   "directory: its checkpoints are listed beside the local ones")
+    p.add_argument("--json", action="store_true", help="print one strict JSON object")
+
+
+@register("ls", help="list checkpoints with step, size, metrics and the tiers holding them",
+          description="List the complete checkpoints (those with a .meta) under a directory "
+          "or a remote URL, newest step first: name, step, bytes, metrics and which tiers "
+          "hold them (local, remote). Incomplete ones (no .meta) are not listed.",
+          arguments=_ls_arguments)
+def _ls(args: argparse.Namespace) -> int:
+    tiers = [("remote" if is_url(args.location) else "local", args.location)]
+    if args.remote:
+        tiers.append(("remote", args.remote))
+    rows = list_checkpoints(tiers)
+    if args.json:
+        print(json.dumps(_strict_json({"location": args.location, "remote": args.remote,
+                                       "checkpoints": [r.__dict__ for r in rows]}),
+                         allow_nan=False))
+        return EXIT_OK
+    table = [("name", "step", "size", "tiers", "metrics")]
+    for r in rows:
+        metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in sorted(r.metrics.items()))
+        table.append((_printable(r.name), "-" if r.step is None else str(r.step),
+                      human_bytes(r.bytes), "+".join(r.tiers), _printable(metrics)))
+    print("\n".join(_table(table, right={1, 2})) if rows else "no checkpoints")
+    return EXIT_OK

@@ -17,6 +17,8 @@ Data flow between the two processes::
       | dispatch: req socket {WRITE seq, k, path, body} --> claim k (or skip if superseded)
       v return WriteHandle                         encode .fdl(.gz) from slot k
                                                    temp file -> fsync -> rename -> .meta
+                                                   remote=: its uploader thread copies the
+                                                   files, .meta last ({UPLOADED seq, url})
     reader thread (sidecar.py) <--- rep pipe: {DONE seq, ok | error, bytes, timings}
       book.resolve: the handle; slot k free again
       writer sentinel fires -> book.lose: BrokenWriterError on every pending handle

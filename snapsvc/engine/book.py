@@ -38,13 +38,17 @@ class Pending:
 class Book:
     """Shared state of one writer; see the module docstring for the lock."""
 
-    def __init__(self, on_reader: Callable[[], bool], keep_last: bool = False) -> None:
+    def __init__(self, on_reader: Callable[[], bool], keep_last: bool = False,
+                 remote: bool = False) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.on_reader = on_reader  # given to each handle: no wait inside a done-callback
         # keep_last: the files written and not yet rotated away, oldest first, so
         # a restarted sidecar goes on rotating the series an earlier one began
         self.kept: list[str] | None = [] if keep_last else None
+        self.remote = remote
         self.pending: dict[int, Pending] = {}
+        # written locally, remote copy not yet reported: seq -> (handle, sidecar gen)
+        self.uploading: dict[int, tuple[WriteHandle, int]] = {}
         self.dirs: set[str] = set()
         self.seq = 0
         self.active = 0          # submits past the open check, not yet queued or failed
@@ -52,7 +56,8 @@ class Book:
         self.closing = False
         self.closed = False
         self.counts = {"submitted": 0, "written": 0, "skipped": 0, "failed": 0,
-                       "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0}
+                       "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0,
+                       "uploaded": 0, "upload_failed": 0}
         self.stalls: deque[float] = deque(maxlen=10_000)
 
     def check_open(self) -> None:
@@ -77,7 +82,7 @@ class Book:
         self.seq += 1
         self.counts["submitted"] += 1  # refused submits never get this far
         slot.seq = self.seq
-        handle = WriteHandle(self.seq, path, self.on_reader)
+        handle = WriteHandle(self.seq, path, self.on_reader, remote=self.remote)
         self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen)
         return self.seq
 
@@ -86,7 +91,7 @@ class Book:
         stall = time.monotonic() - started
         with self.cond:
             self.seq += 1
-            handle = WriteHandle(self.seq, path, self.on_reader)
+            handle = WriteHandle(self.seq, path, self.on_reader, remote=self.remote)
             self.counts["submitted"] += 1
             self.counts["skipped"] += 1
             self.stalls.append(stall)
@@ -108,6 +113,8 @@ class Book:
             if self.kept is not None and ok and not skipped:
                 gone = {msg["path"], *msg.get("removed", ())}
                 self.kept = [k for k in self.kept if k not in gone] + [msg["path"]]
+            if self.remote and ok and not skipped:  # its outcome comes in an UPLOADED report
+                self.uploading[msg["seq"]] = (p.handle, p.gen)
             self.cond.notify_all()
         if ok:
             p.handle._future.set_result(WriteReport(
@@ -119,6 +126,23 @@ class Book:
         else:
             p.handle._future.set_exception(WriteFailedError(
                 msg["errno"] or 0, f"{msg['error']} (writing checkpoint)", msg["filename"]))
+
+    def upload_done(self, msg: dict[str, Any]) -> None:
+        """An UPLOADED report (reader thread); seq None: found at the sidecar's start."""
+        if msg["seq"] is None:
+            if msg["error"] is None:
+                log.info("uploaded %s (durable locally before the restart)", msg["url"])
+            return  # the sidecar logged the failure
+        with self.cond:
+            entry = self.uploading.pop(msg["seq"], None)
+            if entry is None:  # already failed with its writer's exit
+                return
+            self.counts["uploaded" if msg["error"] is None else "upload_failed"] += 1
+            self.cond.notify_all()
+        if msg["error"] is None:
+            entry[0]._upload.set_result(msg["url"])
+        else:
+            entry[0].fail_upload(msg["error"], skipped=msg.get("skipped", False))
 
     def lose(self, gen: int, proc: Any, current: int) -> None:
         """The sidecar of generation ``gen`` exited (reader thread): fail what it held."""
@@ -134,12 +158,23 @@ class Book:
                 if not p.slot.copying:  # else the copier frees it when done
                     p.slot.seq = None
             self.counts["broken"] += len(failed)
+            unsent = [h for s, (h, g) in list(self.uploading.items()) if g == gen
+                      and self.uploading.pop(s)]
+            self.counts["upload_failed"] += len(unsent)
             self.cond.notify_all()
         if failed:
             log.error("%s: %s", err, ", ".join(p.handle.path for p in failed))
         for p in failed:
             p.handle._future.set_exception(err)
+        if unsent:
+            log.error("not uploaded before the writer sidecar stopped (%s); a restarted writer "
+                      "uploads them from the local tier: %s", describe(proc),
+                      ", ".join(h.path for h in unsent))
+        for h in unsent:
+            h.fail_upload(f"not uploaded: the writer sidecar {describe(proc)} before the "
+                            "upload committed; a writer started on this directory uploads it")
 
     def figures(self) -> tuple[dict[str, int], int, list[float]]:
         """(counts, pending writes, sorted stalls); cond held."""
         return dict(self.counts), len(self.pending), sorted(self.stalls)
+

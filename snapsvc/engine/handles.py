@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import UnsafeCallError
+from ..errors import UnsafeCallError, UploadError
 
 __all__ = ["WriteReport", "WriteHandle"]
 
@@ -43,17 +43,56 @@ class WriteHandle:
     done-callbacks run), on which a wait would wait for itself.
     """
 
-    def __init__(self, seq: int, path: str, on_reader: Callable[[], bool] = _never) -> None:
+    def __init__(self, seq: int, path: str, on_reader: Callable[[], bool] = _never, *,
+                 remote: bool = False) -> None:
         self.seq = seq
         self.path = path
         self._future: Future[WriteReport] = Future()
         self._on_reader = on_reader
+        # the remote copy's URL, with SnapshotWriter(remote=...); else None at once
+        self._upload: Future[str | None] = Future()
+        if remote:
+            self._future.add_done_callback(self._local_done)
+        else:
+            self._upload.set_result(None)
+
+    def _local_done(self, future: Future[WriteReport]) -> None:
+        """A write that failed or was skipped locally will not be uploaded: say so."""
+        error = future.exception()
+        if error is not None:
+            self.fail_upload(f"not uploaded: the local write failed: {error}")
+        elif future.result().skipped:
+            self.fail_upload("not uploaded: the snapshot was skipped (policy 'skip' or "
+                             "'latest')", skipped=True)
+
+    def fail_upload(self, why: str, *, skipped: bool = False) -> None:
+        """Resolve :meth:`uploaded` with an UploadError, unless it is resolved already."""
+        try:
+            self._upload.set_exception(UploadError(f"{self.path}: {why}", path=self.path,
+                                                   skipped=skipped))
+        except InvalidStateError:
+            pass
 
     def result(self, timeout: float | None = None) -> WriteReport:
         """The report; raises the write's error, or ``TimeoutError`` after ``timeout``.
         Inside a done-callback, on a handle not done: :class:`UnsafeCallError` at once."""
         self._no_wait_on_reader("result")
         return self._future.result(timeout)
+
+    def uploaded(self, timeout: float | None = None) -> str | None:
+        """The remote URL of the checkpoint's main file once its remote copy is
+        committed (its ``.meta`` written last); None for a writer without ``remote``.
+
+        Raises :class:`~snapsvc.errors.UploadError` if it never will be (failed
+        after retries or past ``remote_timeout``, skipped, or the writer
+        stopped first), ``TimeoutError`` after ``timeout`` seconds.
+        :meth:`result` still means durable locally.
+        """
+        self._no_wait_on_reader("uploaded", self._upload)
+        try:
+            return self._upload.result(timeout)
+        except FutureTimeout:  # a distinct class before Python 3.11
+            raise TimeoutError(f"{self.path}: not uploaded yet after {timeout} s") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._no_wait_on_reader("exception")
@@ -82,8 +121,8 @@ class WriteHandle:
 
         self._future.add_done_callback(call)
 
-    def _no_wait_on_reader(self, what: str) -> None:
-        if not self._future.done() and self._on_reader():
+    def _no_wait_on_reader(self, what: str, future: Future[Any] | None = None) -> None:
+        if not (future or self._future).done() and self._on_reader():
             raise UnsafeCallError(f"{what}() of {self!r} inside a done-callback would deadlock: "
                                   "callbacks run on the thread that delivers reports; wait on "
                                   "another thread")

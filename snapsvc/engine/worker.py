@@ -103,24 +103,37 @@ class _Slot:
 
 class _Sidecar:
     def __init__(self, req: Connection, req_sock: socket.socket, rep: Connection,
-                 lock: ClaimLock, files: Callable[[], Any]) -> None:
+                 lock: ClaimLock) -> None:
         self.req = req
         self.req_sock = req_sock  # the socket under ``req``: slots' fds arrive on it
         self.rep = rep
         self.lock = lock
-        self.files = files  # -> snapsvc.engine.writes.Files, once imported
+        # -> snapsvc.engine.writes.Files once imported (set by writer_main)
+        self.later: _Later | None = None
+        self.uploads_started = False
         self.slots: dict[int, _Slot] = {}
         self.parent = os.getppid()
         self.reports_lost = False
+        self._send_lock = threading.Lock()  # the uploader thread reports too
+
+    def files(self) -> Any:
+        """The torch half (waits for its import); starts its uploader after READY."""
+        assert self.later is not None
+        files = self.later.get()
+        if files.uploader is not None and not self.uploads_started:
+            self.uploads_started = True
+            files.uploader.start()
+        return files
 
     def report(self, op: str, **fields: Any) -> None:
-        if self.reports_lost:
-            return
-        try:
-            self.rep.send_bytes(protocol.pack(op, **fields))
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            # The trainer is gone; keep writing what it handed over.
-            self.reports_lost = True
+        with self._send_lock:
+            if self.reports_lost:
+                return
+            try:
+                self.rep.send_bytes(protocol.pack(op, **fields))
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                # The trainer is gone; keep writing what it handed over.
+                self.reports_lost = True
 
     def claim(self, slot: _Slot, seq: int) -> bool:
         with self.lock:
@@ -162,7 +175,9 @@ class _Sidecar:
         op = msg["op"]
         if op == protocol.WRITE:
             trash: list[str] = []
-            self.report(protocol.DONE, **self.write(msg, trash))
+            done = self.write(msg, trash)
+            self.report(protocol.DONE, **done)
+            self.files().upload(done)  # after the report: uploads are off the durable clock
             try:
                 unlink_quietly(trash)  # freeing old data is not on the durable clock
             except OSError as e:  # a leftover temp name; the next start removes it
@@ -181,8 +196,17 @@ class _Sidecar:
         return True
 
     def run(self) -> None:
+        try:
+            self.serve()
+        finally:  # uploads get up to remote_timeout after the last message
+            if self.later is not None and self.later.remote:
+                self.files().close_uploads()
+
+    def serve(self) -> None:
         self.report(protocol.READY, pid=os.getpid())
         while True:
+            if self.later is not None and self.later.ready():
+                self.files().rotate_released()  # also starts the uploader, once imported
             if not self.req.poll(_PARENT_POLL_S):
                 if os.getppid() != self.parent:
                     log.warning("trainer %d is gone; finishing what it handed over", self.parent)
@@ -209,8 +233,9 @@ class _Sidecar:
 class _Later:
     """Imports on a thread, from READY on; :meth:`get` waits for it (or raises its error)."""
 
-    def __init__(self, load: Callable[[], Any]) -> None:
+    def __init__(self, load: Callable[[], Any], remote: bool = False) -> None:
         self._load = load
+        self.remote = remote  # the loaded Files has an uploader to close at exit
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="snapsvc-import", daemon=True)
@@ -221,6 +246,10 @@ class _Later:
             self._value = self._load()
         except BaseException as e:  # noqa: BLE001 - raised by get() on the loop's thread
             self._error = e
+
+    def ready(self) -> bool:
+        """Loaded without error (then :meth:`get` does not wait)."""
+        return not self._thread.is_alive() and self._error is None
 
     def get(self) -> Any:
         self._thread.join()
@@ -260,10 +289,17 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     if hook is not None:
         hook("start", "")
 
+    side = _Sidecar(req, req_sock, rep, lock)
+    remote = None
+    if options.get("remote") is not None:
+        remote = {k: options[k] for k in ("remote", "directory", "remote_keep_last",
+                                          "remote_timeout", "remote_options")}
+
     def files() -> Any:
         init_package()
         writes = importlib.import_module(".writes", __package__)
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
-                            options.get("written", ()))
+                            options.get("written", ()), remote=remote, report=side.report)
 
-    _Sidecar(req, req_sock, rep, lock, _Later(files).get).run()
+    side.later = _Later(files, remote is not None)
+    side.run()

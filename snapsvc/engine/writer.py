@@ -16,8 +16,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from ..errors import UnsafeCallError
+from ..errors import PathError, UnsafeCallError
 from ..files.durable import remove_stale_temps
+from ..remote.store import check_remote
 from ..format import protocol
 from ..state.tree import check_plain
 from .book import Book
@@ -77,6 +78,18 @@ class SnapshotWriter:
     sidecar is always a fresh interpreter (:mod:`snapsvc.engine.sidecar`),
     never a ``multiprocessing`` child, whatever was asked.
 
+    ``remote``: a second tier, a URL (``s3://bucket/prefix``, ``gs://``,
+    ``az://``; ``pip install 'snapsvc[remote]'``) or a directory on a mounted
+    filesystem. Once a checkpoint is durable locally, the sidecar copies each
+    of its files to the same path relative to ``directory`` under ``remote``,
+    ``.meta`` last (see :mod:`snapsvc.remote.upload`); ``handle.uploaded()``
+    says when. Credentials and endpoint come from the environment
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...) or the engine's chain;
+    ``remote_options`` go to obstore's ``from_url``. ``remote_keep_last``
+    rotates the remote tier as ``keep_last`` does the local one.
+    ``remote_timeout``: how long one checkpoint's upload may take, retries
+    included, and how long :meth:`close` waits for uploads.
+
     Every public method may be called from any thread.
     """
 
@@ -86,7 +99,10 @@ class SnapshotWriter:
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
                  overlap: bool = False, incremental: bool | str = False, nice: int = 10,
                  max_slot_bytes: int | None = None,
-                 fault_hook: Callable[[str, str], None] | None = None) -> None:
+                 fault_hook: Callable[[str, str], None] | None = None,
+                 remote: str | os.PathLike[str] | None = None,
+                 remote_keep_last: int | None = None, remote_timeout: float = 300.0,
+                 remote_options: Mapping[str, Any] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if policy not in POLICIES:
@@ -102,6 +118,7 @@ class SnapshotWriter:
         if max_slot_bytes is not None and max_slot_bytes < 1:
             raise ValueError(f"max_slot_bytes must be >= 1 or None, got {max_slot_bytes}")
         self.directory = os.path.abspath(directory) if directory is not None else None
+        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout)
         self.slots = slots
         self.policy = policy
         self.restart = restart
@@ -109,10 +126,13 @@ class SnapshotWriter:
         self.overlap = overlap
         self.sigterm = sigterm
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
-                   "fault_hook": fault_hook}
+                   "fault_hook": fault_hook, "remote": self.remote, "directory": self.directory,
+                   "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,
+                   "remote_options": dict(remote_options or {})}
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
         self._options = options  # the sidecar's; a restart adds the files keep_last still rotates
-        self._book = Book(self._on_reader, keep_last=keep_last is not None)
+        self._book = Book(self._on_reader, keep_last=keep_last is not None,
+                          remote=self.remote is not None)
         self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
         if start_method is not None:
             warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
@@ -192,6 +212,8 @@ class SnapshotWriter:
         New submits are refused from the start; submits already copying are
         waited for. After ``timeout`` seconds the sidecar is killed; the
         snapshots it had not written are logged by path and their handles fail.
+        With ``remote``, the sidecar then gives uploads up to ``remote_timeout``;
+        each checkpoint not uploaded by then is logged and its ``uploaded()`` fails.
         In a forked child it does nothing: the writer and its sidecar are the
         parent's (so neither a ``with`` block nor the exit drain of a child
         touches them).
@@ -307,6 +329,11 @@ class SnapshotWriter:
                  optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
         full = check_path(self.directory, path, optimizer=optimizer)
+        if self.remote is not None and self.directory is not None \
+                and os.path.commonpath([full, self.directory]) != self.directory:
+            raise PathError(f"{full} is outside the writer's directory {self.directory}; with "
+                            "remote=, a checkpoint's remote name is its path under directory, "
+                            "so write it there")
         directory = os.path.dirname(full)
         if create:
             with self._book.cond:
@@ -358,6 +385,8 @@ class SnapshotWriter:
                 self._book.cond.notify_all()
         elif op == protocol.DONE:
             self._book.resolve(msg)
+        elif op == protocol.UPLOADED:
+            self._book.upload_done(msg)
         else:
             log.error("unexpected message from the writer: %r", op)
 

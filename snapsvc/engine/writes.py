@@ -12,14 +12,16 @@ import logging
 import mmap
 import os
 import re
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
-from ..files.durable import set_aside
+from ..files.durable import set_aside, unlink_quietly
 from ..files.meta import Meta, meta_path, optim_path, write_with_meta
 from ..format import fdl, kinds, protocol
 from ..format.layout import BUFFER, Layout, OPTIM
+from ..remote.upload import UploadJob, Uploader
 from . import staging
 
 __all__ = ["Encoders", "Files"]
@@ -51,16 +53,65 @@ def _series(path: str) -> tuple[str, str]:
 
 
 class Files:
-    """Writes snapshots durably and rotates what ``keep_last`` drops."""
+    """Writes snapshots durably, rotates what ``keep_last`` drops and, with a
+    remote tier, hands each durable checkpoint to the uploader thread."""
 
     def __init__(self, keep_last: int | None, compress_level: int | None,
-                 written: Any = ()) -> None:
+                 written: Any = (), remote: dict[str, Any] | None = None,
+                 report: Callable[..., None] | None = None) -> None:
         torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
         self.keep_last = keep_last
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         for old in written:  # what an earlier sidecar of this writer kept
             self.written.setdefault(_series(old), []).append(old)
+        # Held around each write and rotation, so the uploader never opens a
+        # checkpoint's files between their renames.
+        self.lock = threading.Lock()
+        self._report = report
+        self.uploader: Uploader | None = None
+        if remote is not None:
+            self.remote_timeout: float = remote["remote_timeout"]
+            self.uploader = Uploader(
+                remote["remote"], remote["directory"], remote_timeout=self.remote_timeout,
+                options=remote["remote_options"], keep_last=remote["remote_keep_last"],
+                on_done=self._uploaded, files_lock=self.lock)
+
+    def _uploaded(self, job: UploadJob, url: str | None, error: str | None,
+                  skipped: bool) -> None:
+        """The uploader's outcome for one checkpoint (on its thread)."""
+        assert self._report is not None
+        self._report(protocol.UPLOADED, seq=job.seq, path=job.path, url=url, error=error,
+                     skipped=skipped)
+
+    def upload(self, done: dict[str, Any]) -> None:
+        """Queue a written checkpoint for upload, after its DONE report."""
+        if self.uploader is None or not done["ok"] or done.get("superseded"):
+            return
+        try:
+            self.uploader.enqueue(done["seq"], done["path"])
+        except ValueError as e:  # outside the directory (refused at submit)
+            self._uploaded(UploadJob(done["seq"], done["path"], ""), None, str(e), False)
+
+    def rotate_released(self) -> None:
+        """Rotate the series whose files were kept for an upload that has now begun."""
+        if self.uploader is None or self.keep_last is None:
+            return
+        released = self.uploader.released()
+        if not released:
+            return
+        trash: list[str] = []
+        with self.lock:
+            for mine in self.written.values():
+                if any(p in mine for p in released):
+                    self.rotate(mine, trash)
+        unlink_quietly(trash)
+
+    def close_uploads(self) -> None:
+        """Give queued uploads up to ``remote_timeout``; those not done are reported failed."""
+        if self.uploader is not None:
+            self.uploader.close(self.remote_timeout)
+            self.rotate_released()
 
     def encoders(self, layout: dict[str, Any], memory: mmap.mmap) -> Encoders | str:
         """A slot's encoders, or why it cannot be written (a trainer bug: its
@@ -84,9 +135,17 @@ class Files:
         if path in mine:
             mine.remove(path)
         mine.append(path)
-        removed = []
-        while self.keep_last is not None and len(mine) > self.keep_last:
-            old = mine.pop(0)
+        return self.rotate(mine, trash)
+
+    def rotate(self, mine: list[str], trash: list[str]) -> list[str]:
+        """Remove the files of a series beyond the newest ``keep_last``, except
+        those still waiting for their upload (rotated once it has begun)."""
+        removed: list[str] = []
+        if self.keep_last is None:
+            return removed
+        up = self.uploader
+        for old in [p for p in mine[:-self.keep_last] if up is None or not up.pending(p)]:
+            mine.remove(old)
             for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
                 aside = set_aside(p)
                 try:
@@ -113,9 +172,11 @@ class Files:
         if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
             os.umask(msg["umask"])
         try:
-            stats = write_with_meta(path, enc.model, meta, compress_level=self.compress_level,
-                                    optim=optim, trash=trash)
-            removed = self.prune(path, trash)
+            with self.lock:
+                stats = write_with_meta(path, enc.model, meta,
+                                        compress_level=self.compress_level, optim=optim,
+                                        trash=trash)
+                removed = self.prune(path, trash)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)
             detail = e.strerror or str(e)

@@ -28,6 +28,9 @@ writer -> trainer::
     {op: READY, pid}
     {op: SLOT_OK, slot}
     {op: DONE,  seq, ok, bytes, entries, timings..., error, errno, path}
+    {op: UPLOADED, seq, path, url, error, skipped}   with remote=: the remote copy committed
+                                                  (url) or not (error); seq None for a
+                                                  checkpoint found at start
 
 Extension types (msgpack ``ExtType`` codes), for what plain msgpack cannot tell apart::
 
@@ -47,7 +50,7 @@ import msgpack
 from ..errors import FormatError
 from .bounded import decode
 
-__all__ = ["SLOT", "WRITE", "FREE", "STOP", "READY", "SLOT_OK", "DONE", "MAX_METADATA",
+__all__ = ["SLOT", "WRITE", "FREE", "STOP", "READY", "SLOT_OK", "DONE", "UPLOADED", "MAX_METADATA",
            "MAX_NESTING", "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
            "unpack_value"]
 
@@ -58,6 +61,7 @@ STOP = "stop"
 READY = "ready"
 SLOT_OK = "slot_ok"
 DONE = "done"
+UPLOADED = "uploaded"
 
 # The largest metadata file the reader accepts, and so the most a submit may
 # put there: one limit, shared by the client's check, the writer and the reader.

@@ -1,0 +1,247 @@
+"""The remote tier's parts against a real S3 server on loopback (moto) and a directory:
+the store, the uploader thread and the checked fetch. The writer's use of
+them is in tests/test_remote.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import shutil
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import snapsvc
+pytest_plugins = ["remote_fixtures"]  # s3, unreachable_s3, fault_proxy, secret
+
+pytest.importorskip("obstore")
+from snapsvc.remote import fetched, open_store  # noqa: E402
+from snapsvc.remote.fetch import run_sync  # noqa: E402
+from snapsvc.remote.store import PART, CorruptSource  # noqa: E402
+from snapsvc.remote.upload import Uploader  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+FILES = ("step1.fdl", "step2.fdl", "step3.fdl", "best.fdl", "big.fdl")
+
+
+def _crc(data: bytes) -> int:
+    from isal import isal_zlib
+    return isal_zlib.crc32(data)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> str:
+    """Checkpoints written by a real writer: a series step1-3 with optimizer
+    files, best.fdl, and big.fdl (over one multipart part)."""
+    d = tmp_path_factory.mktemp("made")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    big = nn.Linear(1024, (PART // 4096) + 64)  # a little over PART bytes of weights
+    with snapsvc.SnapshotWriter(d) as w:
+        for i in (1, 2, 3):
+            w.submit(model, f"step{i}.fdl", optimizer=opt, metrics={"loss": 1.0 / i}).result(60)
+            time.sleep(0.02)  # distinct .meta mtimes: recovery goes newest first
+        w.submit(model, "best.fdl").result(60)
+        w.submit(big, "big.fdl").result(60)
+    return str(d)
+
+
+@pytest.fixture
+def local(made, tmp_path) -> str:
+    d = tmp_path / "local"
+    shutil.copytree(made, d)
+    return str(d)
+
+
+class Done:
+    """on_done results, in the order the uploader reported them."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+
+    def __call__(self, job, url, error, skipped) -> None:
+        self.q.put((os.path.basename(job.path), url, error, skipped))
+
+    def take(self, n: int, timeout: float = 60) -> list[tuple]:
+        return [self.q.get(timeout=timeout) for _ in range(n)]
+
+
+def _uploader(location, local, done, **kw) -> Uploader:
+    kw.setdefault("remote_timeout", 30.0)
+    kw.setdefault("options", None)
+    kw.setdefault("keep_last", None)
+    return Uploader(location, local, on_done=done, **kw)
+
+
+def test_put_and_ranged_download_bit_exact(s3, tmp_path):
+    """Multipart (several parts) and single PUT; ranged, parallel download back."""
+    store = open_store(s3.url)
+    data = os.urandom(2 * PART + 12345)
+    (tmp_path / "src").write_bytes(data)
+    with open(tmp_path / "src", "rb") as f:
+        run_sync(store.put("a/big.bin", f, size=len(data), crc32=_crc(data)))
+    run_sync(store.put("small.bin", io.BytesIO(b"xyz"), size=3, crc32=_crc(b"xyz")))
+    assert s3.keys() == {"a/big.bin": len(data), "small.bin": 3}
+    run_sync(store.download("a/big.bin", str(tmp_path / "back"), len(data)))
+    assert (tmp_path / "back").read_bytes() == data
+    assert s3.multipart_uploads() == []
+
+
+@pytest.mark.parametrize("size", [1000, 2 * PART + 7])
+def test_put_refuses_bytes_unlike_their_metadata(s3, tmp_path, size):
+    """A source whose CRC differs from the one recorded is not stored under the
+    final name, and no multipart upload is left behind."""
+    data = os.urandom(size)
+    with pytest.raises(CorruptSource, match="crc32"):
+        run_sync(open_store(s3.url).put("x.fdl", io.BytesIO(data), size=size,
+                                        crc32=_crc(data) ^ 1))
+    with pytest.raises(CorruptSource, match="bytes"):  # truncated
+        run_sync(open_store(s3.url).put("x.fdl", io.BytesIO(data[:-1]), size=size,
+                                        crc32=_crc(data)))
+    assert s3.keys() == {}
+    assert s3.multipart_uploads() == []
+
+
+def test_stale_multipart_uploads_are_aborted(s3):
+    s3.client.create_multipart_upload(Bucket=s3.bucket, Key=f"{s3.prefix}/step9.fdl")
+    assert s3.multipart_uploads() == [f"{s3.prefix}/step9.fdl"]
+    assert run_sync(open_store(s3.url).abort_stale_uploads()) == 1
+    assert s3.multipart_uploads() == []
+
+
+def test_uploader_commits_each_checkpoint_meta_last(s3, local):
+    for name in FILES[1:]:
+        for p in snapsvc.checkpoint_files(os.path.join(local, name)):
+            os.unlink(p)
+    done = Done()
+    up = _uploader(s3.url, local, done)
+    up.start()
+    up.enqueue(7, os.path.join(local, "step1.fdl"))
+    (name, url, error, skipped), = done.take(1)
+    assert (name, url, error, skipped) == ("step1.fdl", f"{s3.url}/step1.fdl", None, False)
+    up.close(10)
+    assert done.q.empty()  # once: not queued again by the scan at start
+    assert sorted(s3.keys()) == ["step1.fdl", "step1.fdl.meta", "step1.optim.fdl"]
+    for name in s3.keys():
+        assert s3.read(name) == open(os.path.join(local, name), "rb").read()
+
+
+def test_restart_uploads_what_is_local_only_newest_first(s3, local):
+    """Checkpoints durable locally before the uploader started are queued at start;
+    with the backlog bounded, the newest go and the oldest are reported skipped."""
+    done = Done()
+    up = _uploader(s3.url, local, done, backlog=3)
+    up.start()
+    results = done.take(len(FILES))
+    up.close(30)
+    uploaded = [r[0] for r in results if r[1]]
+    skipped = [r[0] for r in results if r[3]]
+    assert uploaded == ["big.fdl", "best.fdl", "step3.fdl"]  # newest first
+    assert sorted(skipped) == ["step1.fdl", "step2.fdl"]
+    assert all("fell behind" in r[2] for r in results if r[3])
+    # a second start finds nothing to do for what is committed, and does the rest
+    done2 = Done()
+    up2 = _uploader(s3.url, local, done2)
+    up2.start()
+    assert sorted(r[0] for r in done2.take(2)) == ["step1.fdl", "step2.fdl"]
+    up2.close(30)
+    assert done2.q.empty()
+    assert {f + ".meta" for f in FILES} <= set(s3.keys())
+
+
+def test_remote_retention_deletes_meta_first_and_keeps_best(s3, local):
+    done = Done()
+    up = _uploader(s3.url, local, done, keep_last=2, backlog=len(FILES))
+    up.start()
+    done.take(len(FILES))
+    up.close(30)
+    keys = set(s3.keys())
+    assert {"step2.fdl", "step2.fdl.meta", "step2.optim.fdl", "step3.fdl", "step3.fdl.meta",
+            "step3.optim.fdl", "best.fdl", "best.fdl.meta", "big.fdl", "big.fdl.meta"} == keys
+
+
+def test_unreachable_remote_fails_within_remote_timeout(unreachable_s3, local, secret):
+    done = Done()
+    up = _uploader(unreachable_s3, local, done, remote_timeout=3.0)
+    t0 = time.monotonic()
+    up.start()
+    up.enqueue(1, os.path.join(local, "best.fdl"))
+    (name, url, error, _), = done.take(1, timeout=30)
+    elapsed = time.monotonic() - t0
+    up.close(5)
+    assert url is None and name == "best.fdl"
+    assert elapsed < 3.0 + 10  # the deadline, plus a loaded machine's slack
+    assert "best.fdl" in error and secret not in error
+
+
+def test_fetch_checks_every_byte_and_names_the_url(s3, local, tmp_path):
+    done = Done()
+    up = _uploader(s3.url, local, done, backlog=len(FILES))
+    up.start()
+    done.take(len(FILES))
+    up.close(30)
+    with fetched(f"{s3.url}/step2.fdl") as path:
+        assert open(path, "rb").read() == open(os.path.join(local, "step2.fdl"), "rb").read()
+        assert os.path.exists(snapsvc.checkpoint_files(path)[1])  # the optimizer file too
+    assert not os.path.exists(path)
+    raw = bytearray(s3.read("step2.optim.fdl"))
+    raw[len(raw) // 2] ^= 0x01
+    s3.write("step2.optim.fdl", bytes(raw))
+    with pytest.raises(snapsvc.FormatError, match="step2.optim.fdl.*crc32"):
+        with fetched(f"{s3.url}/step2.fdl"):
+            pass
+    s3.write("step3.fdl", s3.read("step3.fdl")[:-1])
+    with pytest.raises(snapsvc.FormatError, match=r"step3.fdl.*metadata says"):
+        with fetched(f"{s3.url}/step3.fdl"):
+            pass
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/best.fdl.meta")
+    with pytest.raises(snapsvc.FormatError, match="no metadata on the remote tier"):
+        with fetched(f"{s3.url}/best.fdl"):
+            pass
+
+
+def test_mounted_directory_remote(local, tmp_path):
+    remote = tmp_path / "mnt" / "ckpt"
+    done = Done()
+    up = _uploader(str(remote), local, done, keep_last=1, backlog=len(FILES))
+    up.start()
+    assert all(r[1] for r in done.take(len(FILES)))
+    up.close(30)
+    names = sorted(os.listdir(remote))
+    assert names == sorted(["best.fdl", "best.fdl.meta", "big.fdl", "big.fdl.meta", "step3.fdl",
+                            "step3.fdl.meta", "step3.optim.fdl"])
+    for n in names:
+        assert (remote / n).read_bytes() == open(os.path.join(local, n), "rb").read()
+
+
+def test_overwrite_uncommits_the_old_copy_first(s3, local):
+    """Re-uploading a name deletes its remote .meta before any data: when the new
+    upload fails (here the local file no longer matches its metadata), the old
+    .meta is not left beside other bytes, and nothing is read from that name."""
+    for name in FILES[:3] + FILES[4:]:
+        for p in snapsvc.checkpoint_files(os.path.join(local, name)):
+            os.unlink(p)
+    done = Done()
+    up = _uploader(s3.url, local, done)
+    up.start()
+    assert done.take(1)[0][1] == f"{s3.url}/best.fdl"
+    with open(os.path.join(local, "best.fdl"), "r+b") as f:  # bytes its .meta does not describe
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x01]))
+    up.enqueue(2, os.path.join(local, "best.fdl"))
+    (_, url, error, _), = done.take(1)
+    up.close(10)
+    assert url is None and "crc32" in error and "not uploaded" in error
+    assert "best.fdl.meta" not in s3.keys()
+    with pytest.raises(snapsvc.FormatError, match="no metadata on the remote tier"):
+        with fetched(f"{s3.url}/best.fdl"):
+            pass
