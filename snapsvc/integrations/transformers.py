@@ -81,11 +81,8 @@ import dataclasses
 import json
 import logging
 import os
-import queue
 import random
 import shutil
-import threading
-import time
 import weakref
 from typing import Any
 
@@ -95,62 +92,22 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_pt_utils import set_rng_state_for_device
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter
 from ..engine.writer import SnapshotWriter, WriteHandle
-from ..files.durable import fsync_dir
 from ..state.tree import load
-from ..errors import BrokenWriterError, DistributedCheckpointError, SnapsvcError, \
-    WriteFailedError
+from .hf_commit import STAGING_PREFIX, Commit, Committer
 
 __all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
 
 log = logging.getLogger("snapsvc")
 
 STATE_FILE = "snapsvc_state.fdl"
-STAGING_PREFIX = ".snapsvc-"   # + "checkpoint-<N>": hidden from HF's "checkpoint-*" globs
 _CONFIG_FILE = "config.json"
 _live: "weakref.WeakSet[SnapsvcTrainer]" = weakref.WeakSet()
-
-
-@dataclasses.dataclass
-class _Commit:
-    handle: WriteHandle
-    staging: str                        # "" on ranks that only wait for the manifest
-    final: str
-    run_dir: str
-    files: list[str]                    # small files written by the trainer, to fsync
-    rotate: bool
-    save_total_limit: int | None
-    best_model_checkpoint: str | None
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _named(err: BaseException, checkpoint: str) -> SnapsvcError:
-    """``err`` as a snapsvc error whose message names the checkpoint that was lost."""
-    what = f"checkpoint {checkpoint} was not written, so it is not on disk"
-    if isinstance(err, BrokenWriterError):
-        out: SnapsvcError = BrokenWriterError(f"{what}: {err}")
-    elif isinstance(err, DistributedCheckpointError):
-        out = DistributedCheckpointError(f"{what}: {err}", step=err.step, failures=err.failures,
-                                         timed_out=err.timed_out)
-    elif isinstance(err, OSError):
-        out = WriteFailedError(err.errno or 0, f"{what}: {err.strerror or err}",
-                               err.filename or checkpoint)
-    else:
-        out = WriteFailedError(0, f"{what}: {type(err).__name__}: {err}", checkpoint)
-    out.__cause__ = err
-    return out
 
 
 # -- RNG states as state-API values -------------------------------------------------
@@ -201,11 +158,7 @@ class SnapsvcTrainer(Trainer):
             raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
                              "come from args.output_dir and rotation from save_total_limit")
         self.snapsvc_writer: SnapshotWriter | DistributedSnapshotWriter | None = None
-        self._snapsvc_commits: "queue.Queue[_Commit | None]" = queue.Queue()
-        self._snapsvc_pending: dict[str, _Commit] = {}   # final dir -> its commit, until done
-        self._snapsvc_failed: list[SnapsvcError] = []
-        self._snapsvc_cond = threading.Condition()
-        self._snapsvc_committer: threading.Thread | None = None
+        self._snapsvc_committer = Committer()
         self._snapsvc_loaded: tuple[str, dict[str, Any]] | None = None
         self._snapsvc_warned = False
         self._snapsvc_guard: Any = None        # the step hook of overlap mode, and its optimizer
@@ -249,10 +202,7 @@ class SnapsvcTrainer(Trainer):
                 self._snapsvc_guard.remove()
             self._snapsvc_guard = local.guard(inner)
             self._snapsvc_guarded = inner
-        if self._snapsvc_committer is None:
-            self._snapsvc_committer = threading.Thread(
-                target=self._snapsvc_commit_loop, daemon=True, name="snapsvc-hf-committer")
-            self._snapsvc_committer.start()
+        if self._snapsvc_committer.start():
             _live.add(self)
         return self.snapsvc_writer
 
@@ -261,10 +211,7 @@ class SnapsvcTrainer(Trainer):
         try:
             self._snapsvc_drain(self.drain_timeout if timeout is None else timeout)
         finally:
-            if self._snapsvc_committer is not None:
-                self._snapsvc_commits.put(None)
-                self._snapsvc_committer.join(timeout=10)
-                self._snapsvc_committer = None
+            self._snapsvc_committer.stop()
             if self._snapsvc_guard is not None:
                 self._snapsvc_guard.remove()
                 self._snapsvc_guard = self._snapsvc_guarded = None
@@ -291,9 +238,7 @@ class SnapsvcTrainer(Trainer):
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, name)
         staging = os.path.join(run_dir, STAGING_PREFIX + name)
-        with self._snapsvc_cond:
-            again = final in self._snapsvc_pending
-        if again:  # the same step saved twice: its first write must land first
+        if self._snapsvc_committer.pending(final):  # the same step saved twice: its first write must land first
             self._snapsvc_drain(self.drain_timeout)
             self._snapsvc_raise_failed()
         self._snapsvc_note_best(run_dir, final)
@@ -335,11 +280,9 @@ class SnapsvcTrainer(Trainer):
                     writer.wait_path(handle.path, timeout=self.drain_timeout)
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        item = _Commit(handle, staging, final, run_dir, files, self.args.should_save,
+        item = Commit(handle, staging, final, run_dir, files, self.args.should_save,
                        self.args.save_total_limit, self.state.best_model_checkpoint)
-        with self._snapsvc_cond:
-            self._snapsvc_pending[final] = item
-        self._snapsvc_commits.put(item)
+        self._snapsvc_committer.add(item)
         if self._snapsvc_on_save_reads():
             # on_save comes right after this returns, and callbacks that upload the
             # checkpoint (WandbCallback, MLflowCallback, ...) read checkpoint-<N> there
@@ -369,9 +312,7 @@ class SnapsvcTrainer(Trainer):
                 or not self.state.best_global_step):
             return
         best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-        with self._snapsvc_cond:
-            pending = best in self._snapsvc_pending
-        if best == final or pending or os.path.exists(best):
+        if best == final or self._snapsvc_committer.pending(best) or os.path.exists(best):
             self.state.best_model_checkpoint = best
 
     def _snapsvc_export_callback_states(self) -> None:
@@ -392,80 +333,19 @@ class SnapsvcTrainer(Trainer):
             names = os.listdir(run_dir)
         except FileNotFoundError:
             return
-        with self._snapsvc_cond:
-            owned = {c.staging for c in self._snapsvc_pending.values()}
+        owned = self._snapsvc_committer.staging_dirs()
         for n in names:
             path = os.path.join(run_dir, n)
             if n.startswith(STAGING_PREFIX) and path not in owned and os.path.isdir(path):
                 log.info("snapsvc: removing %s, an unfinished checkpoint", path)
                 shutil.rmtree(path, ignore_errors=True)
 
-    # -- the committer thread ----------------------------------------------------------
-    def _snapsvc_commit_loop(self) -> None:
-        while (item := self._snapsvc_commits.get()) is not None:
-            try:
-                self._snapsvc_commit(item)
-            except BaseException as e:  # the thread must go on; the trainer raises it
-                if item.staging:
-                    shutil.rmtree(item.staging, ignore_errors=True)
-                err = _named(e, item.final)
-                log.error("%s", err)
-                with self._snapsvc_cond:
-                    self._snapsvc_failed.append(err)
-            finally:
-                with self._snapsvc_cond:
-                    if self._snapsvc_pending.get(item.final) is item:
-                        del self._snapsvc_pending[item.final]
-                    self._snapsvc_cond.notify_all()
-
-    @staticmethod
-    def _snapsvc_commit(item: _Commit) -> None:
-        report = item.handle.result()   # resolves: written, failed, or the sidecar died
-        if not item.staging:
-            return
-        if report.skipped:
-            log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
-            shutil.rmtree(item.staging, ignore_errors=True)
-            return
-        for name in item.files:
-            _fsync_file(os.path.join(item.staging, name))
-        fsync_dir(item.staging)
-        old = None
-        if os.path.isdir(item.final):  # a step saved again replaces its directory
-            old = os.path.join(item.run_dir, STAGING_PREFIX + "old-" +
-                               os.path.basename(item.final))
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(item.final, old)
-        os.rename(item.staging, item.final)
-        fsync_dir(item.run_dir)
-        if os.path.dirname(item.staging) != item.run_dir:
-            fsync_dir(os.path.dirname(item.staging))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if item.rotate:
-            rotate_checkpoints(output_dir=item.run_dir, save_total_limit=item.save_total_limit,
-                               best_model_checkpoint=item.best_model_checkpoint, use_mtime=True)
-
     def _snapsvc_drain(self, timeout: float) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
-        deadline = time.monotonic() + timeout
-        with self._snapsvc_cond:
-            while self._snapsvc_pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"checkpoints {sorted(self._snapsvc_pending)} not committed within "
-                        f"{timeout:g} s (SnapsvcTrainer.drain_timeout); they stay hidden until "
-                        "they are")
-                self._snapsvc_cond.wait(left)
+        self._snapsvc_committer.drain(timeout)
 
     def _snapsvc_raise_failed(self) -> None:
-        with self._snapsvc_cond:
-            failed, self._snapsvc_failed = self._snapsvc_failed, []
-        if failed:
-            if len(failed) > 1:
-                log.error("snapsvc: also lost: %s", "; ".join(str(e) for e in failed[1:]))
-            raise failed[0]
+        self._snapsvc_committer.raise_failed()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Wait for pending checkpoints (raising a failed one), then save as the Trainer does."""
