@@ -25,7 +25,8 @@ Data flow between the two processes::
 
 Who owns what::
 
-    writer.py    SnapshotWriter: the public calls, start / restart / close    _life
+    writer.py    SnapshotWriter: the public calls
+    life.py      Life: start / restart / stop of the sidecar                  lock
     plan.py      a submit's checked request, its pool lookup, the metadata body
     book.py      Book: pending writes, flags, counters, reports               cond
     slots.py     SlotBroker: pool registration, slot reservation by policy
@@ -39,7 +40,7 @@ Who owns what::
 
 Locking. ``Book.cond`` (one lock) guards every piece of shared state:
 pending writes, slots, pools and plans, the broken/closing flags and the
-counters. ``_life`` serializes starting, restarting and stopping the
+counters. ``Life.lock`` serializes starting, restarting and stopping the
 sidecar; it may be taken before ``cond``, never after. No lock is held while
 tensors are copied, while waiting for the sidecar to start, or while a
 handle's callbacks run. Every wait ends on close, on the sidecar's death, or

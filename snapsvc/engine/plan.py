@@ -25,7 +25,7 @@ from ..format import fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
 from ..state.tree import Flat, flatten, model_extra_states
-from .pools import Plan, Pool, Slot, SlotPools, walk
+from .pools import Plan, Pool, SlotPools, walk
 from .snapshot import ModelSnapshot
 
 __all__ = ["Request", "request", "find_pool", "check_epoch", "check_path", "pack_body"]

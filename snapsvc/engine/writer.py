@@ -17,15 +17,14 @@ import torch
 from torch import nn
 
 from ..errors import PathError, UnsafeCallError
-from ..files.durable import remove_stale_temps
 from ..remote.store import check_remote
 from ..format import protocol
 from ..state.tree import check_plain
 from .book import Book
 from .copier import Copier
 from .dispatch import Dispatcher
-from .exits import exit_on_sigterm, live, restore_sigterm
 from .handles import WriteHandle, WriteReport
+from .life import Life
 from .plan import check_epoch, check_path, find_pool, pack_body, request
 from .pools import Slot, SlotPools
 from .sidecar import Sidecar
@@ -130,10 +129,8 @@ class SnapshotWriter:
                    "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,
                    "remote_options": dict(remote_options or {})}
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
-        self._options = options  # the sidecar's; a restart adds the files keep_last still rotates
         self._book = Book(self._on_reader, keep_last=keep_last is not None,
                           remote=self.remote is not None)
-        self._life = threading.Lock()  # start / restart / stop; taken before _cond, never after
         if start_method is not None:
             warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
                           "is always a fresh interpreter that never imports __main__",
@@ -143,6 +140,7 @@ class SnapshotWriter:
         self._copier = Copier(overlap, incremental)
         self._broker = SlotBroker(self._book, self._sidecar, policy)
         self._dispatch = Dispatcher(self._book, self._sidecar, self._broker, self._copier, overlap)
+        self._life = Life(self, self._book, self._sidecar, self._copier, self._pools, options)
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -159,52 +157,8 @@ class SnapshotWriter:
     def start(self) -> "SnapshotWriter":
         """Launch the sidecar; return once it has confirmed it is ready."""
         self._check_caller("start", wait=False)
-        self._ensure_running()
+        self._life.ensure_running()
         return self
-
-    def _ensure_running(self) -> None:
-        """Start the sidecar, or restart a dead one; one thread at a time."""
-        book = self._book
-        with self._life:
-            with book.cond:
-                book.check_open()
-                broken, started = book.broken, self._sidecar.proc is not None
-            if started and broken is None and self._sidecar.exited():
-                # Died with nothing pending, and the reader has not said so yet:
-                # let it, rather than queue this snapshot to a dead process.
-                self._sidecar.join_reader(5)
-                with book.cond:
-                    broken = book.broken
-            if started and broken is None:
-                return
-            if broken is not None:
-                if not self.restart:
-                    raise broken
-                self._copier.wait()  # the copier drops what it held for the dead writer first
-                self._sidecar.reap()
-                log.warning("restarting the writer sidecar after: %s", broken)
-            with book.cond:
-                dirs = set(book.dirs)
-            if self.directory is not None:
-                os.makedirs(self.directory, exist_ok=True)
-                dirs.add(self.directory)
-            for d in dirs:
-                for path in remove_stale_temps(d):
-                    log.warning("removed %s left by a dead writer", path)
-            with book.cond:
-                if book.kept is not None:
-                    self._options["written"] = list(book.kept)
-            self._sidecar.start()
-            with book.cond:
-                book.broken = None
-                if broken is not None:
-                    book.counts["restarts"] += 1
-                if self.directory is not None:
-                    book.dirs.add(self.directory)
-                book.cond.notify_all()
-            live.add(self)
-            if self.sigterm:
-                exit_on_sigterm()
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait for every queued snapshot to be written, then stop the sidecar.
@@ -221,36 +175,7 @@ class SnapshotWriter:
         if os.getpid() != self._pid:
             return
         self._check_caller("finish")
-        book = self._book
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._life:
-            with book.cond:
-                if book.closed:
-                    return
-                book.closing = True
-                book.cond.notify_all()  # submits waiting for a slot give up
-                while (book.pending or book.active) and book.broken is None:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
-                    book.cond.wait(0.5 if left is None else min(left, 0.5))
-                late = [p.handle.path for p in book.pending.values()]
-            if late:
-                log.error("snapsvc: %d snapshot(s) not written within %.1f s: %s",
-                          len(late), timeout, ", ".join(late))
-            self._copier.shutdown()  # overlap copies finish (memcpy) before STOP goes out
-            if self._sidecar.proc is not None:
-                self._sidecar.send(protocol.pack(protocol.STOP))
-                left = None if deadline is None else max(0.1, deadline - time.monotonic())
-                if not self._sidecar.wait_exit(left):
-                    self._sidecar.kill()
-                self._sidecar.reap()
-            with book.cond:
-                book.closed = True
-                if not book.active:  # else the last submit still copying releases them
-                    self._pools.clear()
-            live.discard(self)
-            restore_sigterm()
+        self._life.stop(timeout)
 
     close = finish
 
@@ -281,7 +206,7 @@ class SnapshotWriter:
             epoch = model_or_state.epoch if epoch is None else epoch
         metrics, epoch = as_metrics(metrics), check_epoch(epoch)
         req = request(model_or_state, optimizer, extra)
-        self._ensure_running()
+        self._life.ensure_running()
         book = self._book
         gone: list[Slot] = []
         try:

@@ -1,0 +1,121 @@
+"""Starting, restarting and stopping one writer's sidecar, one thread at a time.
+
+``lock`` serializes the three; it may be taken before the book's ``cond``,
+never after. A dead sidecar is restarted by the next submit (when the
+writer allows it): the copier first drops what it held for the dead one,
+stale temp files of the directories written to are removed, and the new
+sidecar learns which files ``keep_last`` still rotates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ..files.durable import remove_stale_temps
+from ..format import protocol
+from .book import Book
+from .copier import Copier
+from .exits import exit_on_sigterm, live, restore_sigterm
+from .pools import SlotPools
+from .sidecar import Sidecar
+
+__all__ = ["Life"]
+
+log = logging.getLogger("snapsvc")
+
+
+class Life:
+    """The sidecar's life cycle for ``owner`` (a SnapshotWriter: its directory,
+    restart and sigterm settings)."""
+
+    def __init__(self, owner: Any, book: Book, sidecar: Sidecar, copier: Copier,
+                 pools: SlotPools, options: dict[str, Any]) -> None:
+        self.owner = owner
+        self.book = book
+        self.sidecar = sidecar
+        self.copier = copier
+        self.pools = pools
+        self.options = options  # the sidecar's; a restart adds the files keep_last still rotates
+        self.lock = threading.Lock()
+
+    def ensure_running(self) -> None:
+        """Start the sidecar, or restart a dead one."""
+        book = self.book
+        with self.lock:
+            with book.cond:
+                book.check_open()
+                broken, started = book.broken, self.sidecar.proc is not None
+            if started and broken is None and self.sidecar.exited():
+                # Died with nothing pending, and the reader has not said so yet:
+                # let it, rather than queue this snapshot to a dead process.
+                self.sidecar.join_reader(5)
+                with book.cond:
+                    broken = book.broken
+            if started and broken is None:
+                return
+            if broken is not None:
+                if not self.owner.restart:
+                    raise broken
+                self.copier.wait()  # the copier drops what it held for the dead writer first
+                self.sidecar.reap()
+                log.warning("restarting the writer sidecar after: %s", broken)
+            with book.cond:
+                dirs = set(book.dirs)
+            if self.owner.directory is not None:
+                os.makedirs(self.owner.directory, exist_ok=True)
+                dirs.add(self.owner.directory)
+            for d in dirs:
+                for path in remove_stale_temps(d):
+                    log.warning("removed %s left by a dead writer", path)
+            with book.cond:
+                if book.kept is not None:
+                    self.options["written"] = list(book.kept)
+            self.sidecar.start()
+            with book.cond:
+                book.broken = None
+                if broken is not None:
+                    book.counts["restarts"] += 1
+                if self.owner.directory is not None:
+                    book.dirs.add(self.owner.directory)
+                book.cond.notify_all()
+            live.add(self.owner)
+            if self.owner.sigterm:
+                exit_on_sigterm()
+
+
+    def stop(self, timeout: float | None) -> None:
+        """Drain what is queued (bounded by ``timeout``), then stop the sidecar."""
+        book = self.book
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            with book.cond:
+                if book.closed:
+                    return
+                book.closing = True
+                book.cond.notify_all()  # submits waiting for a slot give up
+                while (book.pending or book.active) and book.broken is None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    book.cond.wait(0.5 if left is None else min(left, 0.5))
+                late = [p.handle.path for p in book.pending.values()]
+            if late:
+                log.error("snapsvc: %d snapshot(s) not written within %.1f s: %s",
+                          len(late), timeout, ", ".join(late))
+            self.copier.shutdown()  # overlap copies finish (memcpy) before STOP goes out
+            if self.sidecar.proc is not None:
+                self.sidecar.send(protocol.pack(protocol.STOP))
+                left = None if deadline is None else max(0.1, deadline - time.monotonic())
+                if not self.sidecar.wait_exit(left):
+                    self.sidecar.kill()
+                self.sidecar.reap()
+            with book.cond:
+                book.closed = True
+                if not book.active:  # else the last submit still copying releases them
+                    self.pools.clear()
+            live.discard(self.owner)
+            restore_sigterm()
