@@ -100,8 +100,8 @@ def lightning_like() -> dict:
 
 
 def assert_same(got, want, where="checkpoint"):
-    if isinstance(want, dict):  # OrderedDict comes back as dict
-        assert type(got) is dict and list(got) == list(want), where
+    if isinstance(want, dict):  # OrderedDict comes back as OrderedDict, as torch.load gives it
+        assert type(got) is type(want) and list(got) == list(want), where
         for k in want:
             assert_same(got[k], want[k], f"{where}[{k!r}]")
     elif isinstance(want, torch.Tensor):
