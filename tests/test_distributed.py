@@ -423,7 +423,7 @@ def test_restore_distributed_checks_world_size_and_crc(tmp_path, world2, monkeyp
     with pytest.raises(snapsvc.FormatError, match="incomplete"):
         snapsvc.restore_distributed(d, make_model(0))  # the base directory, not a step
     # As rank 1 of 2: a byte flipped in place (same size) is caught by the CRC.
-    monkeypatch.setattr(snapsvc.distributed, "_rank_and_world", lambda pg: (1, 2))
+    monkeypatch.setattr(snapsvc.distributed.restore, "_rank_and_world", lambda pg: (1, 2))
     model = make_model(0)
     snapsvc.restore_distributed(step, model)
     path = step / "rank1.fdl"
