@@ -1,11 +1,16 @@
 """Slot pools and copy plans: where each submit's tensors go, and which tensors they are.
 
-A *pool* is ``slots`` shared-memory slots (:mod:`snapsvc.engine.staging`) for one
-layout (names, shapes, dtypes). A *plan* caches, per model, the tensors to
-copy and their pool, so a submit of an unchanged model does not walk it by
-name. Memory stays bounded: the pools of layouts that the last submit did
-not use are released as soon as they are idle (:meth:`SlotPools.trim`), and
-``max_slot_bytes`` caps the total.
+A *slot* is an arena of shared memory (:mod:`snapsvc.engine.staging`); a
+*pool* is ``slots`` of them, laid out for one layout (names, shapes, dtypes)
+at a time. A layout the pools do not know takes over an idle pool whose
+arenas are large enough, so a checkpoint whose names or small tensors change
+at every save (Lightning's ``best_k_models``) reuses memory whose pages are
+already faulted in: names, order and non-tensor values travel with each
+write, and the sidecar rebuilds only its headers (:mod:`.worker`). A *plan*
+caches, per model, the tensors to copy and their pool, so a submit of an
+unchanged model does not walk it by name. Memory stays bounded: the pools of
+layouts that the last submit did not use are released as soon as they are
+idle (:meth:`SlotPools._trim`), and ``max_slot_bytes`` caps the total.
 
 Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
 :class:`~snapsvc.engine.book.Book` of the writer that owns them: every method here
@@ -28,26 +33,44 @@ from ..format.layout import BUFFER, EARLY, Layout
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
-           "python_guard", "RESERVED"]
+           "python_guard", "arena_bytes", "RESERVED", "ROOM"]
 
 RESERVED = 0  # Slot.seq while a submit is staging into it
 
 
+# Room an arena has beyond its first layout: a later layout a few small
+# tensors larger (one more best-k entry) still fits in it.
+ROOM = 64 << 10
+
+
+def arena_bytes(layout: Layout) -> int:
+    """The bytes of a new arena for ``layout``: rounded up to a page, plus :data:`ROOM`."""
+    return layout.nbytes + -layout.nbytes % 4096 + ROOM
+
+
 class Slot:
-    """One shared-memory slot. ``seq``: None free, RESERVED staging, else the
-    write in flight; ``gen``: the sidecar generation that has it mapped."""
+    """One shared-memory arena and the layout it holds now. ``seq``: None
+    free, RESERVED staging, else the write in flight; ``gen``: the sidecar
+    generation that has it mapped; ``told``: (generation, layout) that
+    sidecar last heard for it (the layout travels with a WRITE when it differs)."""
 
     def __init__(self, sid: int, layout: Layout, pin: bool) -> None:
         self.id = sid
-        self.layout = layout
         self.pinned = pin
-        self.flat = staging.allocate(layout, pin=pin)
-        self.views = staging.views(self.flat, layout)
+        self.flat = staging.allocate(layout, pin=pin, room=arena_bytes(layout) - layout.nbytes)
+        self.capacity = self.flat.numel()
         self.claim = staging.claim_word(self.flat)
         self.seq: int | None = None
         self.gen = -1
         self.registering = -1         # the generation a SLOT message was sent to
+        self.told: tuple[int, Layout] | None = None
         self.copying = False          # overlap mode: the copier thread is filling it
+        self.set_layout(layout)
+
+    def set_layout(self, layout: Layout) -> None:
+        """Lay the arena out for ``layout`` (idle, its pool unused; the book's lock held)."""
+        self.layout = layout
+        self.views = staging.views(self.flat, layout)
         self.outs = staging.group_views(self.flat, layout)  # one flat tensor per group
         # overlap mode copies at submit what an optimizer step does not change
         self.early = [i for i, s in enumerate(layout.specs) if s.kind in EARLY]
@@ -213,23 +236,27 @@ class SlotPools:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.layout.nbytes for s in self)
+        return sum(s.capacity for s in self)
 
     def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool
              ) -> tuple[Pool, list[Slot]]:
-        """The pool for ``key`` (made from ``layout()`` if new, within the budget),
-        and the slots of other pools released because they were idle: the
-        sidecar must be told to unmap those."""
+        """The pool for ``key`` (an idle pool large enough laid out anew, else
+        made from ``layout()`` within the budget), and the slots of other
+        pools released because they were idle: the sidecar must be told to
+        unmap those."""
         pool = self._pools.get(key)
         if pool is not None:
             return pool, self.use(pool)
-        gone = self._trim(keep=None)
         lay = layout()
-        need = self.slots * lay.nbytes
+        pool = self._reuse(key, lay, pin)
+        if pool is not None:
+            return pool, self.use(pool)
+        gone = self._trim(keep=None)
+        need = self.slots * arena_bytes(lay)
         if self.max_slot_bytes is not None:
             if need > self.max_slot_bytes:
                 raise SlotBudgetError(
-                    f"this snapshot needs {self.slots} slots of {lay.nbytes} bytes "
+                    f"this snapshot needs {self.slots} slots of {arena_bytes(lay)} bytes "
                     f"({need} bytes), more than max_slot_bytes={self.max_slot_bytes}; "
                     "raise the budget or use fewer slots")
             if self.nbytes + need > self.max_slot_bytes:
@@ -248,6 +275,21 @@ class SlotPools:
         self._pools[key] = pool
         self._by_id.update((s.id, s) for s in pool)
         return pool, gone
+
+    def _reuse(self, key: tuple, lay: Layout, pin: bool) -> Pool | None:
+        """The smallest idle pool whose arenas hold ``lay``, now laid out for it."""
+        fits = [(k, p) for k, p in self._pools.items()
+                if not p.users and not any(s.busy for s in p) and p[0].pinned == pin
+                and p[0].capacity >= lay.nbytes]
+        if not fits:
+            return None
+        old, pool = min(fits, key=lambda kp: kp[1][0].capacity)
+        del self._pools[old]
+        self._forget_plans({id(s) for s in pool})
+        for slot in pool:
+            slot.set_layout(lay)
+        self._pools[key] = pool
+        return pool
 
     def plan(self, model: nn.Module, walked: list[torch.Tensor | None]) -> Plan | None:
         """The cached plan of ``model`` if it still holds (see :meth:`Plan.matches`)."""
@@ -272,11 +314,14 @@ class SlotPools:
                 slot.release()
             gone += pool
         if gone:
-            dead = {id(s) for s in gone}
-            for model, plan in list(self._plans.items()):
-                if id(plan.pool[0]) in dead:
-                    del self._plans[model]
+            self._forget_plans({id(s) for s in gone})
         return gone
+
+    def _forget_plans(self, slots: set[int]) -> None:
+        """Drop the plans whose pool holds these slots (by id): laid out anew or gone."""
+        for model, plan in list(self._plans.items()):
+            if id(plan.pool[0]) in slots:
+                del self._plans[model]
 
     def clear(self) -> None:
         for slot in self:

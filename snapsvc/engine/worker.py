@@ -50,19 +50,47 @@ _PARENT_POLL_S = 0.5
 _DIGITS = re.compile(r"\d+")
 
 
-class _Slot:
+class _Layout:
+    """One layout of a slot's arena: its encoders, headers packed and entries
+    checked once, so a write only moves data."""
+
     def __init__(self, layout: Layout, flat: torch.Tensor) -> None:
+        if layout.nbytes > flat.numel():
+            raise ValueError(f"a layout of {layout.nbytes} bytes does not fit in an arena "
+                             f"of {flat.numel()}")
         self.layout = layout
-        self.flat = flat
-        self.claim = staging.claim_word(flat)
         views = staging.views(flat, layout)
-        # Headers packed and entries checked once, here: a write only moves data.
         hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
         self.encoder = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
                                     if s.kind != OPTIM], structural_hash=hash_)
         self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
                                   if s.kind == OPTIM])
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
+
+
+class _Slot:
+    """A slot's arena and the layout it holds now. A WRITE whose layout differs
+    from the last one carries it (names change, the tensor bytes stay where
+    they are): its encoders are built once and kept for the last few layouts."""
+
+    KEEP = 4  # layouts whose encoders are kept per slot (a few alternate: best, last, ...)
+
+    def __init__(self, flat: torch.Tensor, layout: Layout) -> None:
+        self.flat = flat
+        self.claim = staging.claim_word(flat)
+        self.encoders: dict[Layout, _Layout] = {}
+        self.now: _Layout | str = "has no layout"  # a str: why it cannot be written
+        self.use(layout)
+
+    def use(self, layout: Layout) -> None:
+        """Lay the arena out as ``layout`` from now on."""
+        enc = self.encoders.pop(layout, None)
+        if enc is None:
+            enc = _Layout(layout, self.flat)
+            if len(self.encoders) >= self.KEEP:
+                del self.encoders[next(iter(self.encoders))]  # the least recently used
+        self.encoders[layout] = enc
+        self.now = enc
 
 
 class _Sidecar:
@@ -129,20 +157,27 @@ class _Sidecar:
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         slot = self.slots.get(msg["slot"])
-        if not isinstance(slot, _Slot):  # a trainer bug, reported rather than fatal to every later write
-            why = slot or "was never registered with this writer"
+        if isinstance(slot, _Slot) and "layout" in msg:  # before the claim: even a superseded
+            try:                                        # write tells what the slot holds now
+                slot.use(Layout.from_msg(msg["layout"]))
+            except Exception as e:  # a trainer bug: fail the writes of this layout
+                log.exception("slot %s cannot be written", msg["slot"])
+                slot.now = f"has a layout that cannot be written: {type(e).__name__}: {e}"
+        lay = slot.now if isinstance(slot, _Slot) else None
+        if not isinstance(lay, _Layout):  # a trainer bug, reported rather than fatal to every later write
+            why = lay or slot or "was never registered with this writer"
             return {**base, "ok": False, "errno": None, "filename": path,
                     "error": f"slot {msg['slot']} {why}"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
         body = protocol.unpack_value(msg["body"])  # packed and checked at submit
-        meta = Meta(buffers=slot.buffers, epoch=body["epoch"], metrics=body["metrics"],
-                    structural_hash=slot.layout.structural_hash or None,
+        meta = Meta(buffers=lay.buffers, epoch=body["epoch"], metrics=body["metrics"],
+                    structural_hash=lay.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),
                     state=body.get("state"))
-        optim = (optim_path(path), slot.optim) if meta.optimizer is not None else None
+        optim = (optim_path(path), lay.optim) if meta.optimizer is not None else None
         try:
-            stats = write_with_meta(path, slot.encoder, meta, compress_level=self.compress_level,
+            stats = write_with_meta(path, lay.encoder, meta, compress_level=self.compress_level,
                                     optim=optim, trash=trash)
             removed = self.prune(path, trash)
         except OSError as e:
@@ -157,7 +192,7 @@ class _Sidecar:
             return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
                     "filename": path}
         return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
-                "entries": slot.encoder.count, "encode_s": stats.encode_s,
+                "entries": lay.encoder.count, "encode_s": stats.encode_s,
                 "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}
 
     def handle(self, msg: dict[str, Any]) -> bool:
@@ -173,7 +208,7 @@ class _Sidecar:
         elif op == protocol.SLOT:
             flat = self.req.recv()  # the pickled shared-memory tensor follows its SLOT message
             try:
-                self.slots[msg["slot"]] = _Slot(Layout.from_msg(msg["layout"]), flat)
+                self.slots[msg["slot"]] = _Slot(flat, Layout.from_msg(msg["layout"]))
             except Exception as e:  # a trainer bug: fail this slot's writes, keep serving
                 log.exception("slot %s cannot be written", msg["slot"])
                 self.slots[msg["slot"]] = f"its layout cannot be written: {type(e).__name__}: {e}"
