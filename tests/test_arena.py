@@ -110,3 +110,14 @@ def test_a_grown_state_takes_a_new_arena_and_the_old_one_goes(tmp_path, no_leaks
         assert w.stats()["slots"] == 1  # fits in the big arena: no new one
     assert_same(snapsvc.load(tmp_path / "b.fdl"), big)
     assert_same(snapsvc.load(tmp_path / "c.fdl"), {"renamed": torch.ones(1000)})
+
+
+def test_names_that_alternate_reuse_the_sidecars_headers_and_stay_right(tmp_path, no_leaks):
+    """Layouts A, B, A, B...: the sidecar's encoder of each is kept and picked
+    again by the layout each WRITE names; every file has its own names."""
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        for i in range(6):
+            state = {("best" if i % 2 else "last"): torch.full((3, 5), float(i)), "i": i}
+            w.submit(state, f"a{i}.fdl").result(timeout=60)
+            assert_same(snapsvc.load(tmp_path / f"a{i}.fdl"), state)
+        assert w.stats()["slots"] == 1

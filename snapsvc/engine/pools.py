@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import SlotBudgetError
 from ..format.layout import BUFFER, EARLY, Layout
+from ..state.tree import WalkMemo, walk
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
@@ -46,6 +47,11 @@ ROOM = 64 << 10
 def arena_bytes(layout: Layout) -> int:
     """The bytes of a new arena for ``layout``: rounded up to a page, plus :data:`ROOM`."""
     return layout.nbytes + -layout.nbytes % 4096 + ROOM
+
+
+def _placement(layout: Layout) -> list[tuple]:
+    """Where a layout puts each tensor, and how: all of it but the names."""
+    return [(s.offset, s.shape, s.dtype, s.kind) for s in layout.specs]
 
 
 class Slot:
@@ -68,8 +74,17 @@ class Slot:
         self.set_layout(layout)
 
     def set_layout(self, layout: Layout) -> None:
-        """Lay the arena out for ``layout`` (idle, its pool unused; the book's lock held)."""
+        """Lay the arena out for ``layout`` (idle, its pool unused; the book's lock held).
+        Where only names changed, the tensors' views stay as they are."""
+        old = getattr(self, "layout", None)
         self.layout = layout
+        # incremental mode: (sources, storage pointers, _versions) of the last copy
+        self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        # what the buffer names add to a metadata file (client._pack_body's room)
+        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
+                                if s.kind == BUFFER)
+        if old is not None and _placement(old) == _placement(layout):
+            return
         self.views = staging.views(self.flat, layout)
         self.outs = staging.group_views(self.flat, layout)  # one flat tensor per group
         # overlap mode copies at submit what an optimizer step does not change
@@ -77,11 +92,6 @@ class Slot:
         self.late = [i for i, s in enumerate(layout.specs) if s.kind not in EARLY]
         self.early_set = frozenset(self.early)
         self.data_bytes = sum(s.nbytes for s in layout.specs)
-        # incremental mode: (sources, storage pointers, _versions) of the last copy
-        self.held: tuple[list[torch.Tensor], list[int], list[int]] | None = None
-        # what the buffer names add to a metadata file (client._pack_body's room)
-        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
-                                if s.kind == BUFFER)
 
     @property
     def busy(self) -> bool:
@@ -97,20 +107,6 @@ class Pool(list):
     """The slots of one layout; ``users``: submits using it now (never trimmed then)."""
 
     users = 0
-
-
-def walk(model: nn.Module) -> list[torch.Tensor | None]:
-    """Every parameter and buffer slot of every submodule, in one pass.
-
-    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
-    ``buffers()`` would walk the tree twice and build names and sets, which
-    costs milliseconds on models with thousands of tensors, on every submit.
-    """
-    out: list[torch.Tensor | None] = []
-    for mod in model.modules():
-        out.extend(mod._parameters.values())
-        out.extend(mod._buffers.values())
-    return out
 
 
 def _meta(tensors: list[torch.Tensor]) -> tuple[list, ...]:
@@ -226,6 +222,9 @@ class SlotPools:
         self._plans: "weakref.WeakKeyDictionary[nn.Module, Plan]" = weakref.WeakKeyDictionary()
         self._by_id: dict[int, Slot] = {}
         self._next_id = 0
+        # A state mapping's plan: its modules and optimizer states, walked
+        # once; the guard is looked up at each use (tests swap it).
+        self.memo = WalkMemo(lambda tensors: tensor_guard(tensors))
 
     def __iter__(self) -> Iterator[Slot]:
         for pool in self._pools.values():
@@ -329,3 +328,4 @@ class SlotPools:
         self._pools.clear()
         self._plans.clear()
         self._by_id.clear()
+        self.memo.clear()

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ from ..files.meta import read_meta
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
-__all__ = ["Flat", "flatten", "check_plain", "load", "restore_state", "INLINE_DTYPES",
+__all__ = ["Flat", "flatten", "WalkMemo", "walk", "check_plain", "load", "restore_state", "INLINE_DTYPES",
            "MAX_DEPTH"]
 
 MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
@@ -88,6 +89,60 @@ _INLINE_NAMES: dict[torch.dtype, str] = {
 }
 
 
+def walk(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter and buffer slot of every submodule, in one pass.
+
+    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
+    ``buffers()`` would walk the tree twice and build names and sets, which
+    costs milliseconds on models with thousands of tensors, on every submit.
+    """
+    out: list[torch.Tensor | None] = []
+    for mod in model.modules():
+        out.extend(mod._parameters.values())
+        out.extend(mod._buffers.values())
+    return out
+
+
+Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
+
+
+@dataclass
+class _Part:
+    """A walked module or leaf mapping, as the next walk may reuse it."""
+
+    what: Any                                   # the module, or the mapping's keys
+    held: list                                  # walk(module), or the mapping's values
+    check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
+    picks: list[int]                            # which of ``held`` its tensors are
+    node: Any                                   # its part of the tree
+    params: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    rest: list[tuple[str, str, torch.Tensor]]
+    names: dict[str, tuple]
+    structural_hash: str | None
+
+
+class WalkMemo:
+    """What the last :func:`flatten` found, by key path: modules (same
+    parameter and buffer objects, as :func:`walk` lists them) and mappings
+    whose values are all tensors or plain scalars (an optimizer's per-parameter
+    state): the same objects, whose tensors still have the shapes, strides,
+    dtypes and devices they had, are not walked again. Only the parts of the
+    last walk are kept. ``guard(tensors)`` makes that check (see
+    :func:`snapsvc.engine.pools.tensor_guard`)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.parts: dict[tuple, _Part] = {}
+
+    def clear(self) -> None:
+        self.parts = {}
+
+
+def _is_leaf(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
+
+
 def _segment(key: str | int) -> str:
     if type(key) is int:
         return f"#{key}"
@@ -121,13 +176,51 @@ class Flat:
 
 
 class _Walker:
-    def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state") -> None:
+    def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
+                 memo: WalkMemo | None = None) -> None:
         self.model_key = model_key
         self.tensors_ok = tensors_ok
         self.root = root
         self.flat = Flat()
         self.names: dict[str, tuple] = {}
         self.open: set[int] = set()  # containers on the current path: a cycle revisits one
+        self.memo = memo
+        self.parts: dict[tuple, _Part] = {}  # this walk's, for the next one
+
+    def reuse(self, key: tuple, what: Any, held: list) -> Any:
+        """The tree node of the memo's part ``key`` if ``what``/``held`` are the
+        same as then, its tensors unchanged and its names still free; else None."""
+        part = self.memo.parts.get(key) if self.memo is not None else None
+        if part is None or part.what is not what and part.what != what \
+                or len(part.held) != len(held) or not all(map(operator.is_, part.held, held)):
+            return None
+        if not part.check([held[i] for i in part.picks]) or not self.names.keys().isdisjoint(
+                part.names):
+            return None
+        self.names.update(part.names)
+        self.flat.params += part.params
+        self.flat.buffers += part.buffers
+        self.flat.rest += part.rest
+        if part.structural_hash is not None:
+            self.flat.structural_hash = part.structural_hash
+        self.parts[key] = part
+        return part.node
+
+    def remember(self, key: tuple, what: Any, held: list, node: Any,
+                 marks: tuple[int, int, int], structural_hash: str | None = None) -> None:
+        """Keep what was walked since ``marks`` (lengths of params, buffers, rest) as part ``key``."""
+        flat = self.flat
+        params, buffers, rest = (flat.params[marks[0]:], flat.buffers[marks[1]:],
+                                 flat.rest[marks[2]:])
+        tensors = [t for _, t in params] + [t for _, t in buffers] + [t for _, _, t in rest]
+        where = {id(t): i for i, t in enumerate(held) if isinstance(t, torch.Tensor)}
+        picks = [where.get(id(t), -1) for t in tensors]
+        if -1 in picks:  # a tensor from elsewhere: not worth a part
+            return
+        names = {n: self.names[n] for n in [*(n for n, _ in params), *(n for n, _ in buffers),
+                                            *(n for _, n, _ in rest)]}
+        self.parts[key] = _Part(what, list(held), self.memo.guard(tensors), picks, node,
+                                params, buffers, rest, names, structural_hash)
 
     def show(self, path: tuple) -> str:
         return _show(path, self.root)
@@ -184,22 +277,36 @@ class _Walker:
         self.open.add(id(v))
         try:
             if isinstance(v, Mapping):
-                out = {}
-                for k, item in v.items():
-                    if type(k) is str:
-                        self.check_text(k, path + (k,))
-                    elif type(k) is not int:
-                        raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
-                                                   "(only str and int keys are stored)")
-                    elif not _I64[0] <= k <= _I64[1]:
-                        raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
-                                          "in 64 bits")
-                    out[k] = self.value(item, path + (k,), step)
-                return out
+                if self.memo is not None and all(map(_is_leaf, v.values())):
+                    key, held = ("map", path, step), list(v.values())
+                    what = (tuple(v), tuple(map(type, v)))  # 1 == True: key types too
+                    node = self.reuse(key, what, held)
+                    if node is not None:
+                        return node
+                    marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+                    node = self.mapping(v, path, step)
+                    if not any(type(x) is InlineTensor for x in node.values()):
+                        self.remember(key, what, held, node, marks)
+                    return node
+                return self.mapping(v, path, step)
             items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]
             return tuple(items) if type(v) is tuple else items
         finally:
             self.open.discard(id(v))
+
+    def mapping(self, v: Mapping, path: tuple, step: bool) -> dict:
+        out = {}
+        for k, item in v.items():
+            if type(k) is str:
+                self.check_text(k, path + (k,))
+            elif type(k) is not int:
+                raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
+                                           "(only str and int keys are stored)")
+            elif not _I64[0] <= k <= _I64[1]:
+                raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
+                                  "in 64 bits")
+            out[k] = self.value(item, path + (k,), step)
+        return out
 
     def check_text(self, s: str, path: tuple) -> None:
         try:
@@ -225,9 +332,9 @@ class _Walker:
         self.names[name] = path
         fdl.check_encodable(name, t)
         if kind in (STATE, STATE_STEP):
-            self.flat.rest.append((kind, name, t.detach()))
+            self.flat.rest.append((kind, name, t))
         else:
-            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t.detach()))
+            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t))
         return TensorRef(name)
 
     def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
@@ -239,6 +346,20 @@ class _Walker:
         return InlineTensor(name, tuple(cpu.shape), data)
 
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
+        if self.memo is None:
+            return self.walk_module(m, path)
+        key, held = ("module", path), walk(m)
+        node = self.reuse(key, m, held)
+        if node is not None:
+            return node
+        marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+        node = self.walk_module(m, path)
+        if not any(type(x) is InlineTensor for x in node.value.values()):
+            own = len(path) == 1 and path[0] == self.model_key
+            self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
+        return node
+
+    def walk_module(self, m: nn.Module, path: tuple) -> ObjectNode:
         own_names = len(path) == 1 and path[0] == self.model_key
         tensors: dict[str, Any] = {}
         for kind, pairs in (("param", m.named_parameters()), ("buffer", persistent_buffers(m))):
@@ -274,17 +395,21 @@ def _model_key(state: Mapping) -> str | None:
     return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
 
 
-def flatten(state: Mapping) -> Flat:
+def flatten(state: Mapping, memo: WalkMemo | None = None) -> Flat:
     """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
 
     Non-tensor leaves are copied into the tree now, and ``state_dict()`` is
     called now, so what is written is the state of this moment once the
-    tensors are staged.
+    tensors are staged. ``memo``: the parts of the last walk that still
+    hold are not walked again (see :class:`WalkMemo`); it keeps this walk's.
+    Tensors are the live ones (not detached): copy them under ``no_grad``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
-    w = _Walker(_model_key(state), tensors_ok=True)
+    w = _Walker(_model_key(state), tensors_ok=True, memo=memo)
     w.flat.tree = w.container(state, ())
+    if memo is not None:
+        memo.parts = w.parts
     return w.flat
 
 
