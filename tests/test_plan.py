@@ -293,7 +293,8 @@ def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_pa
     rep_r, rep_w = mpc.Pipe(duplex=False)
     lock = writer.ClaimLock.create()
     try:
-        side = writer._Sidecar(req_r, req_sock, rep_w, lock, lambda: writes.Files(None, None))
+        side = writer._Sidecar(req_r, req_sock, rep_w, lock)
+        side.later = writer._Later(lambda: writes.Files(None, None))
         a = torch.ones(2)
         layout = layout_mod.Layout.of([("a", a)], [("a", a)], "")
         flat = staging.allocate(layout)

@@ -14,6 +14,7 @@ from torch import nn
 
 import snapsvc
 import snapsvc.files.checkpoint
+import snapsvc.engine.pools
 import snapsvc.engine.snapshot
 import snapsvc.engine.staging
 from snapsvc.files.meta import meta_path, read_meta
@@ -153,7 +154,8 @@ def test_slot_reuse_allocates_nothing_after_warmup(tmp_path, net):
         after = footprint(w)
     assert after == before
     layout = snapsvc.format.layout.Layout.of(*snapsvc.engine.snapshot.model_sources(net), "")
-    assert before[3] == 2 * layout.nbytes  # two slots, nothing per snapshot
+    # two slots (arenas: a page and some room beyond the layout), nothing per snapshot
+    assert before[3] == 2 * snapsvc.engine.pools.arena_bytes(layout)
 
 
 def test_sidecar_is_a_fresh_interpreter_at_lower_priority(tmp_path, net):

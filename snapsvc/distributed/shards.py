@@ -155,7 +155,7 @@ def _state_plan(state: Mapping, rank: int) -> tuple[Flat, list[dict[str, Any]], 
         records[name] = piece[1]
         return piece[0]
 
-    flat = flatten(state, shard)
+    flat = flatten(state, shard=shard)
     order = [n for n, _ in flat.params] + [n for n, _ in flat.buffers] \
         + [n for _, n, _ in flat.rest]
     pnames = param_names(state)

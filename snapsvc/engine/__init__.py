@@ -6,7 +6,8 @@ Data flow between the two processes::
     ---------------                                   -------------------------------------
     submit(model or state, path)          [writer.py]
       | plan.request: check values, path, metadata body; the pool's key
-      | plan.find_pool: the layout's pool and, for a model, its cached copy plan
+      | plan.find_pool: the layout's pool (an idle one large enough, laid out
+      |   anew, when names change) and, for a model, its cached copy plan
       | slots.SlotBroker: register the pool with the sidecar; reserve slot k
       |   (policy block/skip/latest)
       | copier: copy tensors ---> slot k ========= one shared-memory mapping per slot ======
@@ -14,7 +15,8 @@ Data flow between the two processes::
       |    per dtype group of the slot)             the writer maps it, and builds its
       |                                             fdl.Encoder at the first write)
       | book.add: seq, pending handle; claim[k] = seq
-      | dispatch: req socket {WRITE seq, k, path, body} --> claim k (or skip if superseded)
+      | dispatch: req socket {WRITE seq, k, path, body, --> a new layout: new headers (encoder
+      |   layout if k's changed}                          cache per slot); claim k (or skip)
       v return WriteHandle                         encode .fdl(.gz) from slot k
                                                    temp file -> fsync -> rename -> .meta
                                                    remote=: its uploader thread copies the

@@ -7,11 +7,13 @@
       | book.add: seq, pending handle                          (book.py)
       | blocking: send now;  overlap: the copier thread finishes the copy,
       v           then sends                                    (send below)
-    send: claim[k] = seq under the claim lock, then {WRITE seq, k, path, body}
+    send: claim[k] = seq under the claim lock, then {WRITE seq, k, path, body,
+          and the slot's layout if the sidecar last heard another for it}
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -40,6 +42,7 @@ class Dispatcher:
         self.broker = broker
         self.copier = copier
         self.overlap = overlap
+        self._order = threading.Lock()
 
     def stage(self, pool: Pool, sources: list[torch.Tensor], plan: Plan | None, path: str,
               body: bytes, started: float, timeout: float | None) -> WriteHandle:
@@ -86,10 +89,19 @@ class Dispatcher:
         book = self.book
         lock = self.sidecar.claim_lock
         if lock is not None:
-            with lock:
-                slot.claim.fill_(seq)
-            if self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
-                                               sent_at=time.monotonic(), **msg)):
+            # One send at a time, so the sidecar hears each slot's layouts in
+            # the order ``slot.told`` records them.
+            with self._order:
+                with lock:
+                    slot.claim.fill_(seq)
+                told = (self.sidecar.gen, slot.layout)
+                if slot.told is None or slot.told[0] != told[0] or slot.told[1] is not told[1]:
+                    msg = {**msg, "layout": slot.layout.to_msg()}  # names changed: new headers
+                sent = self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                                       sent_at=time.monotonic(), **msg))
+                if sent:
+                    slot.told = told
+            if sent:
                 return
         with book.cond:
             p = book.pending.pop(seq, None)

@@ -24,7 +24,7 @@ from ..files.meta import meta_path, optim_path
 from ..format import fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
-from ..state.tree import Flat, flatten, model_extra_states
+from ..state.tree import Flat, WalkMemo, flatten, model_extra_states
 from .pools import Plan, Pool, SlotPools, walk
 from .snapshot import ModelSnapshot
 
@@ -52,12 +52,13 @@ class Request:
 def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
              optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
              state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
-             structural_hash: str | None = None) -> Request:
+             structural_hash: str | None = None, checked: bool = False) -> Request:
     model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
-    # Refused whatever pool a same-shaped snapshot made before; the optimizer
-    # state is a file of its own. The sidecar's encoder runs the same check.
-    fdl.check_entries(model_pairs)
-    fdl.check_entries(list(optim))
+    if not checked:  # a state's walk ran the same check, naming key paths
+        # Refused whatever pool a same-shaped snapshot made before; the optimizer
+        # state is a file of its own. The sidecar's encoder runs the same check.
+        fdl.check_entries(model_pairs)
+        fdl.check_entries(list(optim))
     pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
     h = layout_hash(params, buffers) if structural_hash is None else structural_hash
@@ -69,8 +70,11 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
                    lambda: Layout.of(params, buffers, h, optim, state), pin)
 
 
-def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Request:
-    """The request for a model, a :class:`ModelSnapshot` or a state mapping."""
+def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,
+            memo: WalkMemo | None = None) -> Request:
+    """The request for a model, a :class:`ModelSnapshot` or a state mapping
+    (walked through ``memo``: the modules and optimizer states of the last
+    state submitted are not walked again while they hold)."""
     if isinstance(obj, ModelSnapshot):
         if optimizer is not None:
             raise TypeError("optimizer= needs the model itself, not a ModelSnapshot")
@@ -89,9 +93,10 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any) -> Re
         if optimizer is not None or extra is not None:
             raise TypeError("with a state mapping, put optimizers and extra values "
                             "inside the mapping")
-        flat = obj if isinstance(obj, Flat) else flatten(obj)
+        flat = obj if isinstance(obj, Flat) else flatten(obj, memo)
         req = _entries(flat.params, flat.buffers, state=flat.rest,
-                       structural_hash=flat.structural_hash)
+                       structural_hash=flat.structural_hash,
+                       checked=not isinstance(obj, Flat))  # a Flat's pieces: checked here
         req.tree = flat.tree
         return req
     raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "

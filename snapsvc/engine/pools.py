@@ -1,11 +1,16 @@
 """Slot pools and copy plans: where each submit's tensors go, and which tensors they are.
 
-A *pool* is ``slots`` shared-memory slots (:mod:`snapsvc.engine.staging`) for one
-layout (names, shapes, dtypes). A *plan* caches, per model, the tensors to
-copy and their pool, so a submit of an unchanged model does not walk it by
-name. Memory stays bounded: the pools of layouts that the last submit did
-not use are released as soon as they are idle (:meth:`SlotPools.trim`), and
-``max_slot_bytes`` caps the total.
+A *slot* is an arena of shared memory (:mod:`snapsvc.engine.staging`); a
+*pool* is ``slots`` of them, laid out for one layout (names, shapes, dtypes)
+at a time. A layout the pools do not know takes over an idle pool whose
+arenas are large enough, so a checkpoint whose names or small tensors change
+at every save (Lightning's ``best_k_models``) reuses memory whose pages are
+already faulted in: names, order and non-tensor values travel with each
+write, and the sidecar rebuilds only its headers (:mod:`.worker`). A *plan*
+caches, per model, the tensors to copy and their pool, so a submit of an
+unchanged model does not walk it by name. Memory stays bounded: the pools of
+layouts that the last submit did not use are released as soon as they are
+idle (:meth:`SlotPools._trim`), and ``max_slot_bytes`` caps the total.
 
 Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
 :class:`~snapsvc.engine.book.Book` of the writer that owns them: every method here
@@ -25,43 +30,73 @@ from torch import nn
 
 from ..errors import SlotBudgetError
 from ..format.layout import BUFFER, EARLY, PARAM, Layout
+from ..state.tree import WalkMemo, walk
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
-           "python_guard", "RESERVED"]
+           "python_guard", "arena_bytes", "RESERVED", "ROOM"]
 
 RESERVED = 0  # Slot.seq while a submit is staging into it
 
 
-class Slot:
-    """One shared-memory slot. ``seq``: None free, RESERVED staging, else the
-    write in flight; ``gen``: the sidecar generation that has it mapped."""
+# Room an arena has beyond its first layout: a later layout a few small
+# tensors larger (one more best-k entry) still fits in it.
+ROOM = 64 << 10
 
-    def __init__(self, sid: int, layout: Layout, pin: bool) -> None:
+
+def arena_bytes(layout: Layout) -> int:
+    """The bytes of a new arena for ``layout``: rounded up to a page, plus :data:`ROOM`
+    (less where ``max_slot_bytes`` leaves less: see :meth:`SlotPools.pool`)."""
+    return layout.nbytes + -layout.nbytes % 4096 + ROOM
+
+
+def _placement(layout: Layout) -> list[tuple]:
+    """Where a layout puts each tensor, and how: all of it but the names."""
+    return [(s.offset, s.shape, s.dtype, s.kind) for s in layout.specs]
+
+
+class Slot:
+    """One shared-memory arena and the layout it holds now. ``seq``: None
+    free, RESERVED staging, else the write in flight; ``gen``: the sidecar
+    generation that has it mapped; ``told``: (generation, layout) that
+    sidecar last heard for it (the layout travels with a WRITE when it differs)."""
+
+    def __init__(self, sid: int, layout: Layout, pin: bool, nbytes: int | None = None) -> None:
         self.id = sid
-        self.layout = layout
         self.pinned = pin
-        self.flat = staging.allocate(layout, pin=pin)
-        self.views = staging.views(self.flat, layout)
+        nbytes = arena_bytes(layout) if nbytes is None else nbytes  # the arena's
+        self.flat = staging.allocate(layout, pin=pin, room=nbytes - layout.nbytes)
+        self.capacity = self.flat.numel()
         self.claim = staging.claim_word(self.flat)
         self.seq: int | None = None
         self.gen = -1
         self.registering = -1         # the generation a SLOT message was sent to
+        self.told: tuple[int, Layout] | None = None
         self.copying = False          # overlap mode: the copier thread is filling it
+        self.set_layout(layout)
+
+    def set_layout(self, layout: Layout) -> None:
+        """Lay the arena out for ``layout`` (idle, its pool unused; the book's lock held).
+        Where only names changed, the tensors' views stay as they are."""
+        old = getattr(self, "layout", None)
+        self.layout = layout
+        # incremental mode: (sources, indices of the frozen parameters, their
+        # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
+        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
+        # what the buffer names add to a metadata file (client._pack_body's room)
+        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
+                                if s.kind == BUFFER)
+        if old is not None and _placement(old) == _placement(layout):
+            return
+        self.views = staging.views(self.flat, layout)
         self.outs = staging.group_views(self.flat, layout)  # one flat tensor per group
         # overlap mode copies at submit what an optimizer step does not change
         self.early = [i for i, s in enumerate(layout.specs) if s.kind in EARLY]
         self.late = [i for i, s in enumerate(layout.specs) if s.kind not in EARLY]
         self.early_set = frozenset(self.early)
         self.data_bytes = sum(s.nbytes for s in layout.specs)
-        # incremental mode: (sources, indices of the frozen parameters, their
-        # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
-        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
         # parameters come first in a layout: what incremental mode may skip is among them
         self.param_count = sum(1 for s in layout.specs if s.kind == PARAM)
-        # what the buffer names add to a metadata file (client._pack_body's room)
-        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
-                                if s.kind == BUFFER)
 
     @property
     def busy(self) -> bool:
@@ -77,20 +112,6 @@ class Pool(list):
     """The slots of one layout; ``users``: submits using it now (never trimmed then)."""
 
     users = 0
-
-
-def walk(model: nn.Module) -> list[torch.Tensor | None]:
-    """Every parameter and buffer slot of every submodule, in one pass.
-
-    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
-    ``buffers()`` would walk the tree twice and build names and sets, which
-    costs milliseconds on models with thousands of tensors, on every submit.
-    """
-    out: list[torch.Tensor | None] = []
-    for mod in model.modules():
-        out.extend(mod._parameters.values())
-        out.extend(mod._buffers.values())
-    return out
 
 
 def _meta(tensors: list[torch.Tensor]) -> tuple[list, ...]:
@@ -207,6 +228,9 @@ class SlotPools:
         self._by_id: dict[int, Slot] = {}
         self._next_id = 0
         self._released: list[Slot] = []  # until take_released(): the sidecar must unmap them
+        # A state mapping's plan: its modules and optimizer states, walked
+        # once; the guard is looked up at each use (tests swap it).
+        self.memo = WalkMemo(lambda tensors: tensor_guard(tensors))
 
     def __iter__(self) -> Iterator[Slot]:
         for pool in self._pools.values():
@@ -217,19 +241,24 @@ class SlotPools:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.layout.nbytes for s in self)
+        return sum(s.capacity for s in self)
 
     def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool) -> Pool:
-        """The pool for ``key`` (made from ``layout()`` if new, within the
-        budget). Other pools are released if idle, even when this raises:
-        see :meth:`take_released`."""
+        """The pool for ``key`` (an idle pool large enough laid out anew, else
+        made from ``layout()`` within the budget). Other pools are released if
+        idle, even when this raises: see :meth:`take_released`."""
         pool = self._pools.get(key)
         if pool is not None:
             self.use(pool)
             return pool
-        self._trim(keep=None)
         lay = layout()
+        pool = self._reuse(key, lay, pin)
+        if pool is not None:
+            self.use(pool)
+            return pool
+        self._trim(keep=None)
         need = self.slots * lay.nbytes
+        size = arena_bytes(lay)
         if self.max_slot_bytes is not None:
             if need > self.max_slot_bytes:
                 raise SlotBudgetError(
@@ -240,17 +269,34 @@ class SlotPools:
                 raise SlotBudgetError(
                     f"this snapshot needs {need} bytes of slots and {self.nbytes} are held by "
                     f"snapshots still in flight; max_slot_bytes={self.max_slot_bytes}")
+            # the arenas' room is spare: only as much as the budget leaves
+            size = max(lay.nbytes, min(size, (self.max_slot_bytes - self.nbytes) // self.slots))
         pool = Pool()
         try:
             for _ in range(self.slots):
                 self._next_id += 1
-                pool.append(Slot(self._next_id, lay, pin))
+                pool.append(Slot(self._next_id, lay, pin, size))
         except BaseException:
             for slot in pool:
                 slot.release()
             raise
         self._pools[key] = pool
         self._by_id.update((s.id, s) for s in pool)
+        return pool
+
+    def _reuse(self, key: tuple, lay: Layout, pin: bool) -> Pool | None:
+        """The smallest idle pool whose arenas hold ``lay``, now laid out for it."""
+        fits = [(k, p) for k, p in self._pools.items()
+                if not p.users and not any(s.busy for s in p) and p[0].pinned == pin
+                and p[0].capacity >= lay.nbytes]
+        if not fits:
+            return None
+        old, pool = min(fits, key=lambda kp: kp[1][0].capacity)
+        del self._pools[old]
+        self._forget_plans({id(s) for s in pool})
+        for slot in pool:
+            slot.set_layout(lay)
+        self._pools[key] = pool
         return pool
 
     def plan(self, model: nn.Module, walked: list[torch.Tensor | None]) -> Plan | None:
@@ -283,11 +329,14 @@ class SlotPools:
                 slot.release()
             gone += pool
         if gone:
-            dead = {id(s) for s in gone}
-            for model, plan in list(self._plans.items()):
-                if id(plan.pool[0]) in dead:
-                    del self._plans[model]
+            self._forget_plans({id(s) for s in gone})
         self._released += gone
+
+    def _forget_plans(self, slots: set[int]) -> None:
+        """Drop the plans whose pool holds these slots (by id): laid out anew or gone."""
+        for model, plan in list(self._plans.items()):
+            if id(plan.pool[0]) in slots:
+                del self._plans[model]
 
     def clear(self) -> None:
         for slot in self:
@@ -296,3 +345,4 @@ class SlotPools:
         self._pools.clear()
         self._plans.clear()
         self._by_id.clear()
+        self.memo.clear()

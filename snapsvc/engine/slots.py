@@ -39,6 +39,7 @@ class SlotBroker:
             todo = [s for s in pool if s.gen != gen and s.registering != gen]
             for slot in todo:
                 slot.registering = gen  # another thread submitting it now waits instead
+                slot.told = (gen, slot.layout)  # the SLOT message carries it
         for slot in todo:
             if not sidecar.send(protocol.pack(protocol.SLOT, slot=slot.id,
                                               layout=slot.layout.to_msg()), slot_fd(slot.flat)):

@@ -6,9 +6,10 @@ the :class:`~snapsvc.format.layout.Layout`. Tensors of one dtype and one copy ph
 :data:`EARLY`) are packed back to back in a *group* that starts 64-byte
 aligned, so one ``torch.cat`` can fill a run of them: for thousands of small
 tensors that is several times faster than a copy per tensor. The file order
-of the entries is independent of where they sit in the slot. Slots are
-allocated once per layout and reused, so memory stays at ``slots x snapshot
-bytes``.
+of the entries is independent of where they sit in the slot. A slot is an
+arena: allocated once, with some room to spare, and reused by any layout
+that fits (names never matter, only bytes), so memory stays at ``slots x
+snapshot bytes``.
 
 Each slot's memory is a file descriptor (torch's ``file_descriptor``
 allocation, whatever the sharing strategy), unlinked from /dev/shm as soon as
@@ -42,12 +43,14 @@ def _check_shm_room(nbytes: int) -> None:
                           "or use fewer slots")
 
 
-def allocate(layout: Layout, *, pin: bool = False) -> torch.Tensor:
-    """A flat shared-memory slot for ``layout`` (page-locked for CUDA when ``pin``)."""
-    _check_shm_room(layout.nbytes)
+def allocate(layout: Layout, *, pin: bool = False, room: int = 0) -> torch.Tensor:
+    """A flat shared-memory slot for ``layout`` and ``room`` bytes more
+    (page-locked for CUDA when ``pin``)."""
+    nbytes = layout.nbytes + room
+    _check_shm_room(nbytes)
     # Allocate straight in shared memory: share_memory_() would copy a private
     # buffer over, doubling peak memory for a large model. Fresh pages are zero.
-    storage = torch.UntypedStorage._new_using_fd_cpu(layout.nbytes)
+    storage = torch.UntypedStorage._new_using_fd_cpu(nbytes)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     if pin:
         # Register the shared pages with CUDA so device-to-host copies are DMA.

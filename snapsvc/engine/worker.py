@@ -93,12 +93,39 @@ class ClaimLock:
 
 
 class _Slot:
-    """A slot as the sidecar holds it: its mapping, and its encoders once torch is in."""
+    """A slot as the sidecar holds it: its mapping (an arena: any layout that
+    fits), the layout it holds now, and encoders for the last few layouts.
+
+    A WRITE whose layout differs from the last one the slot held carries it
+    (names change, the tensor bytes stay where they are). Encoders are built
+    by :mod:`snapsvc.engine.writes` once torch is in, at most once per kept
+    layout.
+    """
+
+    KEEP = 4  # layouts whose encoders are kept (a few alternate: best, last, ...)
 
     def __init__(self, memory: mmap.mmap, layout: dict[str, Any]) -> None:
         self.memory = memory
-        self.layout = layout
-        self.encoders: Any = None  # snapsvc.engine.writes.Encoders, or why it cannot be written
+        # [layout message, its Encoders, why it cannot be written, or None
+        # until the next write], least recently used first; the last is held now
+        self.kept: list[list[Any]] = []
+        self.use(layout)
+
+    def use(self, layout: dict[str, Any]) -> None:
+        """Lay the arena out as ``layout`` from now on."""
+        for i, entry in enumerate(self.kept):
+            if entry[0] == layout:
+                self.kept.append(self.kept.pop(i))
+                return
+        self.kept.append([layout, None])
+        del self.kept[:-self.KEEP]
+
+    def encoders(self, files: Any) -> Any:
+        """The encoders of the layout held now (built by ``files``), or why it cannot be written."""
+        entry = self.kept[-1]
+        if entry[1] is None:
+            entry[1] = files.encoders(entry[0], self.memory)
+        return entry[1]
 
 
 class _Sidecar:
@@ -150,15 +177,15 @@ class _Sidecar:
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         slot = self.slots.get(msg["slot"])
-        if slot is not None and slot.encoders is None:
-            slot.encoders = files.encoders(slot.layout, slot.memory)
-        why = "was never registered with this writer" if slot is None else slot.encoders
+        if slot is not None and "layout" in msg:  # before the claim: even a superseded
+            slot.use(msg["layout"])                # write tells what the slot holds now
+        why = "was never registered with this writer" if slot is None else slot.encoders(files)
         if isinstance(why, str):  # a trainer bug, reported rather than fatal to every later write
             return {**base, "ok": False, "errno": None, "filename": path,
                     "error": f"slot {msg['slot']} {why}"}
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
-        return files.write(slot.encoders, msg, base, trash)
+        return files.write(why, msg, base, trash)
 
     def recv_slot(self) -> mmap.mmap:
         """Map the shared memory whose fd follows a SLOT message (``SCM_RIGHTS``)."""

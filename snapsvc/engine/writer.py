@@ -205,7 +205,7 @@ class SnapshotWriter:
             metrics = model_or_state.metrics if metrics is None else metrics
             epoch = model_or_state.epoch if epoch is None else epoch
         metrics, epoch = as_metrics(metrics), check_epoch(epoch)
-        req = request(model_or_state, optimizer, extra)
+        req = request(model_or_state, optimizer, extra, self._pools.memo)
         self._life.ensure_running()
         book = self._book
         gone: list[Slot] = []

@@ -35,6 +35,9 @@ class Encoders:
     """A slot's tensors as encoders, built once: a write only moves data."""
 
     def __init__(self, layout: Layout, memory: mmap.mmap) -> None:
+        if layout.nbytes > len(memory):
+            raise ValueError(f"a layout of {layout.nbytes} bytes does not fit in an arena "
+                             f"of {len(memory)}")
         self.layout = layout
         views = staging.views(torch.frombuffer(memory, dtype=torch.uint8), layout)
         # Headers packed and entries checked once, here.

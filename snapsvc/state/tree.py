@@ -38,6 +38,7 @@ import copy
 import ctypes
 import functools
 import math
+import operator
 import os
 import sys
 from collections.abc import Mapping
@@ -55,8 +56,8 @@ from ..files.meta import read_meta
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
-__all__ = ["Flat", "Shard", "flatten", "check_plain", "load", "restore_state", "restore_tree",
-           "rebuild", "find", "path_name", "param_names", "outline", "dtensor_type",
+__all__ = ["Flat", "Shard", "WalkMemo", "flatten", "walk", "check_plain", "load", "restore_state",
+           "restore_tree", "rebuild", "find", "path_name", "param_names", "outline", "dtensor_type",
            "is_dtensor", "INLINE_DTYPES", "MAX_DEPTH"]
 
 MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
@@ -101,6 +102,58 @@ def dtensor_type() -> Any:
 def is_dtensor(t: Any) -> bool:
     cls = dtensor_type()
     return cls is not None and isinstance(t, cls)
+def walk(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter and buffer slot of every submodule, in one pass.
+
+    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
+    ``buffers()`` would walk the tree twice and build names and sets, which
+    costs milliseconds on models with thousands of tensors, on every submit.
+    """
+    out: list[torch.Tensor | None] = []
+    for mod in model.modules():
+        out.extend(mod._parameters.values())
+        out.extend(mod._buffers.values())
+    return out
+
+
+Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
+
+
+@dataclass
+class _Part:
+    """A walked module or leaf mapping, as the next walk may reuse it."""
+
+    what: Any                                   # the module, or the mapping's keys
+    held: list                                  # walk(module), or the mapping's values
+    check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
+    picks: list[int]                            # which of ``held`` its tensors are
+    node: Any                                   # its part of the tree
+    params: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    rest: list[tuple[str, str, torch.Tensor]]
+    names: dict[str, tuple]
+    structural_hash: str | None
+
+
+class WalkMemo:
+    """What the last :func:`flatten` found, by key path: modules (same
+    parameter and buffer objects, as :func:`walk` lists them) and mappings
+    whose values are all tensors or plain scalars (an optimizer's per-parameter
+    state): the same objects, whose tensors still have the shapes, strides,
+    dtypes and devices they had, are not walked again. Only the parts of the
+    last walk are kept. ``guard(tensors)`` makes that check (see
+    :func:`snapsvc.engine.pools.tensor_guard`)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.parts: dict[tuple, _Part] = {}
+
+    def clear(self) -> None:
+        self.parts = {}
+
+
+def _is_leaf(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
 
 
 def _segment(key: str | int) -> str:
@@ -142,7 +195,7 @@ class Flat:
 
 class _Walker:
     def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
-                 shard: Shard | None = None) -> None:
+                 shard: Shard | None = None, memo: WalkMemo | None = None) -> None:
         self.model_key = model_key
         self.tensors_ok = tensors_ok
         self.shard = shard
@@ -150,6 +203,43 @@ class _Walker:
         self.flat = Flat()
         self.names: dict[str, tuple] = {}
         self.open: set[int] = set()  # containers on the current path: a cycle revisits one
+        self.memo = memo
+        self.parts: dict[tuple, _Part] = {}  # this walk's, for the next one
+
+    def reuse(self, key: tuple, what: Any, held: list) -> Any:
+        """The tree node of the memo's part ``key`` if ``what``/``held`` are the
+        same as then, its tensors unchanged and its names still free; else None."""
+        part = self.memo.parts.get(key) if self.memo is not None else None
+        if part is None or part.what is not what and part.what != what \
+                or len(part.held) != len(held) or not all(map(operator.is_, part.held, held)):
+            return None
+        if not part.check([held[i] for i in part.picks]) or not self.names.keys().isdisjoint(
+                part.names):
+            return None
+        self.names.update(part.names)
+        self.flat.params += part.params
+        self.flat.buffers += part.buffers
+        self.flat.rest += part.rest
+        if part.structural_hash is not None:
+            self.flat.structural_hash = part.structural_hash
+        self.parts[key] = part
+        return part.node
+
+    def remember(self, key: tuple, what: Any, held: list, node: Any,
+                 marks: tuple[int, int, int], structural_hash: str | None = None) -> None:
+        """Keep what was walked since ``marks`` (lengths of params, buffers, rest) as part ``key``."""
+        flat = self.flat
+        params, buffers, rest = (flat.params[marks[0]:], flat.buffers[marks[1]:],
+                                 flat.rest[marks[2]:])
+        tensors = [t for _, t in params] + [t for _, t in buffers] + [t for _, _, t in rest]
+        where = {id(t): i for i, t in enumerate(held) if isinstance(t, torch.Tensor)}
+        picks = [where.get(id(t), -1) for t in tensors]
+        if -1 in picks:  # a tensor from elsewhere: not worth a part
+            return
+        names = {n: self.names[n] for n in [*(n for n, _ in params), *(n for n, _ in buffers),
+                                            *(n for _, n, _ in rest)]}
+        self.parts[key] = _Part(what, list(held), self.memo.guard(tensors), picks, node,
+                                params, buffers, rest, names, structural_hash)
 
     def show(self, path: tuple) -> str:
         return _show(path, self.root)
@@ -207,25 +297,40 @@ class _Walker:
         try:
             if isinstance(v, Mapping):
                 try:   # Counter, OrderedDict and defaultdict come back as themselves
-                    kinds.kind_of(v)
+                    kind = kinds.kind_of(v)
                 except ValueError as e:
                     raise self.refuse(path, str(e)) from None
-                out = {}
-                for k, item in v.items():
-                    if type(k) is str:
-                        self.check_text(k, path + (k,))
-                    elif type(k) is not int:
-                        raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
-                                                   "(only str and int keys are stored)")
-                    elif not _I64[0] <= k <= _I64[1]:
-                        raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
-                                          "in 64 bits")
-                    out[k] = self.value(item, path + (k,), step)
-                return kinds.like(v, out)
+                if self.memo is not None and all(map(_is_leaf, v.values())):
+                    key, held = ("map", path, step), list(v.values())
+                    # its kind and key types too (1 == True)
+                    what = (kind, tuple(v), tuple(map(type, v)))
+                    node = self.reuse(key, what, held)
+                    if node is not None:
+                        return node
+                    marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+                    node = kinds.like(v, self.mapping(v, path, step))
+                    if not any(type(x) is InlineTensor for x in node.values()):
+                        self.remember(key, what, held, node, marks)
+                    return node
+                return kinds.like(v, self.mapping(v, path, step))
             items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]
             return tuple(items) if type(v) is tuple else items
         finally:
             self.open.discard(id(v))
+
+    def mapping(self, v: Mapping, path: tuple, step: bool) -> dict:
+        out = {}
+        for k, item in v.items():
+            if type(k) is str:
+                self.check_text(k, path + (k,))
+            elif type(k) is not int:
+                raise self.refuse(path + (k,), f"a key of type {type(k).__name__} "
+                                           "(only str and int keys are stored)")
+            elif not _I64[0] <= k <= _I64[1]:
+                raise EncodeError(f"{self.show(path + (k,))}: int key {k} does not fit "
+                                  "in 64 bits")
+            out[k] = self.value(item, path + (k,), step)
+        return out
 
     def check_text(self, s: str, path: tuple) -> None:
         try:
@@ -259,7 +364,9 @@ class _Walker:
                                 f"{self.show(self.names[name])} (the model keeps its own names)")
         self.names[name] = path
         fdl.check_encodable(name, t)
-        staged = t.detach() if self.shard is None else self.shard(kind, name, t)
+        # the live tensor, not detached: a memo's part finds it again by identity
+        # (staging copies under no_grad)
+        staged = t if self.shard is None else self.shard(kind, name, t)
         if staged is not None:   # None: another rank writes it
             if kind in (STATE, STATE_STEP):
                 self.flat.rest.append((kind, name, staged))
@@ -276,6 +383,21 @@ class _Walker:
         return InlineTensor(name, tuple(cpu.shape), data)
 
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
+        if self.memo is None:
+            return self.walk_module(m, path)
+        key, held = ("module", path), walk(m)
+        node = self.reuse(key, m, held)
+        if node is not None:
+            return node
+        marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+        node = self.walk_module(m, path)
+        # tensors only: an inline tensor or an extra state is a value of this moment
+        if all(type(x) is TensorRef for x in node.value.values()):
+            own = len(path) == 1 and path[0] == self.model_key
+            self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
+        return node
+
+    def walk_module(self, m: nn.Module, path: tuple) -> ObjectNode:
         own_names = len(path) == 1 and path[0] == self.model_key
         tensors: dict[str, Any] = {}
         params, buffers = list(m.named_parameters()), list(persistent_buffers(m))
@@ -324,19 +446,23 @@ def _model_key(state: Mapping) -> str | None:
     return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
 
 
-def flatten(state: Mapping, shard: Shard | None = None) -> Flat:
+def flatten(state: Mapping, memo: WalkMemo | None = None, *, shard: Shard | None = None) -> Flat:
     """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
 
     Non-tensor leaves are copied into the tree now, and ``state_dict()`` is
     called now, so what is written is the state of this moment once the
     tensors are staged. ``shard`` (one rank of a multi-rank checkpoint)
     accepts DTensors and says what this rank stages of each tensor; the tree
-    names every tensor either way.
+    names every tensor either way. ``memo``: the parts of the last walk that
+    still hold are not walked again (see :class:`WalkMemo`); it keeps this
+    walk's. Tensors are the live ones (not detached): copy them under ``no_grad``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
-    w = _Walker(_model_key(state), tensors_ok=True, shard=shard)
+    w = _Walker(_model_key(state), tensors_ok=True, shard=shard, memo=memo)
     w.flat.tree = w.container(state, ())
+    if memo is not None:
+        memo.parts = w.parts
     return w.flat
 
 

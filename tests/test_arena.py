@@ -1,0 +1,123 @@
+"""A slot is an arena of bytes: memory follows the layout's bytes, not its names.
+
+A checkpoint whose names change at every save (Lightning's ``best_k_models``
+is ``{path: tensor}``; a nested state whose keys change) must reuse the slots
+it already has, whose pages are faulted in: the same shared-memory segments
+stay mapped in the trainer and in the sidecar, slot memory and open fds
+stay flat, nothing is left in /dev/shm (``no_leaks``), and every file still
+equals its state at submit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import snapsvc
+from test_state import assert_same
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _segments(pid: int | str = "self") -> set[str]:
+    """The shared-memory segments mapped by ``pid`` (torch's are unlinked: '(deleted)')."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if len(line.split(None, 5)) == 6 and "/dev/shm/" in line}
+
+
+def _fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _expected(state: dict) -> dict:
+    """What load() must return for ``state``, as of now."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, nn.Module):
+            out[k] = {n: t.clone() for n, t in v.state_dict().items()}
+        elif hasattr(v, "state_dict"):
+            out[k] = copy.deepcopy(v.state_dict())
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _train_state(i: int, model: nn.Module, opt: torch.optim.Optimizer, sched, best: dict) -> dict:
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    sched.step()
+    # save_top_k=2: the best two paths, one of which is new at every save
+    best[f"epoch={i}-loss={1 / (i + 1):.4f}.ckpt"] = torch.tensor(1 / (i + 1))
+    while len(best) > 2:
+        best.pop(next(iter(best)))
+    return {"model": model, "opt": opt, "sched": sched,
+            "loops": {"step": i, "best_k": dict(best), "last": f"epoch={i}.ckpt"}}
+
+
+def test_memory_stays_flat_as_names_change_at_every_save(tmp_path, no_leaks):
+    """100 saves, names changing at each, each written before the next (as
+    a trainer whose save interval is longer than a write): after the first
+    layouts (one, then two best-k entries) no new segment is ever mapped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    best: dict = {}
+    wanted: dict[str, dict] = {}
+    handles = []
+    warm_up = 10
+    with snapsvc.SnapshotWriter(tmp_path, slots=2) as w:
+        figures = []
+        for i in range(100):
+            state = _train_state(i, model, opt, sched, best)
+            wanted[f"s{i}.fdl"] = _expected(state)
+            handles.append(w.submit(state, f"s{i}.fdl", timeout=60))
+            handles[-1].result(timeout=60)
+            stats = w.stats()
+            figures.append((stats["slot_bytes"], stats["slots"], _fds(), _fds(w.pid),
+                            _segments(), _segments(w.pid)))
+        warm = figures[:warm_up]
+        most = [max(f[k] for f in warm) for k in range(4)]
+        seen = [set().union(*(f[k] for f in warm)) for k in (4, 5)]
+        for i, (slot_bytes, slots, fds, child_fds, mine, theirs) in \
+                enumerate(figures[warm_up:], warm_up):
+            assert slot_bytes <= most[0] and slots <= most[1], (i, slot_bytes, slots, most)
+            assert fds <= most[2] + 2 and child_fds <= most[3] + 2, (i, fds, child_fds, most)
+            # the same arenas: no fresh shared memory faulted in during the stall
+            assert mine <= seen[0] and theirs <= seen[1], (i, mine - seen[0], theirs - seen[1])
+        assert most[1] == 2, most  # one pool of two slots all along
+    for h in handles:
+        report = h.result(timeout=0)
+        assert_same(snapsvc.load(report.path), wanted[os.path.basename(report.path)],
+                    os.path.basename(report.path))
+
+
+def test_a_grown_state_takes_a_new_arena_and_the_old_one_goes(tmp_path, no_leaks):
+    """Past an arena's room, a larger state gets new slots; the idle ones are freed."""
+    small = {"w": torch.ones(1000)}
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(small, "a.fdl").result(timeout=60)
+        before = w.stats()["slot_bytes"]
+        big = {"w": torch.ones(1000), "x": torch.full((1 << 18,), 2.0)}  # 1 MiB more
+        w.submit(big, "b.fdl").result(timeout=60)
+        assert w.stats()["slots"] == 1 and w.stats()["slot_bytes"] > before
+        w.submit({"renamed": torch.ones(1000)}, "c.fdl").result(timeout=60)
+        assert w.stats()["slots"] == 1  # fits in the big arena: no new one
+    assert_same(snapsvc.load(tmp_path / "b.fdl"), big)
+    assert_same(snapsvc.load(tmp_path / "c.fdl"), {"renamed": torch.ones(1000)})
+
+
+def test_names_that_alternate_reuse_the_sidecars_headers_and_stay_right(tmp_path, no_leaks):
+    """Layouts A, B, A, B...: the sidecar's encoder of each is kept and picked
+    again by the layout each WRITE names; every file has its own names."""
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        for i in range(6):
+            state = {("best" if i % 2 else "last"): torch.full((3, 5), float(i)), "i": i}
+            w.submit(state, f"a{i}.fdl").result(timeout=60)
+            assert_same(snapsvc.load(tmp_path / f"a{i}.fdl"), state)
+        assert w.stats()["slots"] == 1

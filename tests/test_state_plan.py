@@ -1,0 +1,200 @@
+"""A state mapping's plan: its modules and optimizer states are walked once.
+
+Like a model's cached plan (tests/test_plan.py), the parts of a nested state
+that still hold (same module tensors, same optimizer per-parameter state
+objects with the same shapes, strides, dtypes and devices) are not walked
+again; every change (a replaced, resized, cast, moved or swapped tensor, in
+the model or in the optimizer state) is noticed, and the file equals the
+state at submit, with torch's C++ tensor check and the Python fallback alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import snapsvc
+from snapsvc.engine import pools
+from snapsvc.state import tree
+from test_plan import GUARDS, MUTATIONS
+from test_state import assert_same
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _exp_avg(opt: torch.optim.Optimizer, i: int = 0) -> dict:
+    return opt.state[opt.param_groups[0]["params"][i]]
+
+
+def _replaced(st: dict) -> None:
+    st["exp_avg"] = torch.full_like(st["exp_avg"], 3.0)
+
+
+def _resized(st: dict) -> None:
+    st["exp_avg"].data = torch.full((st["exp_avg"].numel() + 2,), 4.0)
+
+
+def _resized_in_place(st: dict) -> None:
+    st["exp_avg"].resize_(st["exp_avg"].numel() + 5).fill_(4.5)
+
+
+def _cast(st: dict) -> None:
+    st["exp_avg"].data = st["exp_avg"].data.double()
+
+
+def _to_bool(st: dict) -> None:  # a dtype .fdl lacks: it goes inline in the metadata
+    st["exp_avg"].data = st["exp_avg"].data > 0
+
+
+def _other_memory(st: dict) -> None:
+    st["exp_avg"].set_(torch.full(st["exp_avg"].shape, 5, dtype=st["exp_avg"].dtype))
+
+
+def _key_added(st: dict) -> None:
+    st["extra"] = torch.ones(3)
+
+
+def _key_removed(st: dict) -> None:
+    del st["exp_avg_sq"]
+
+
+def _plain_value(st: dict) -> None:
+    st["note"] = 1.5
+
+
+OPT_MUTATIONS = [_replaced, _resized, _resized_in_place, _cast, _to_bool, _other_memory,
+                 _key_added, _key_removed, _plain_value]
+
+
+# Module changes that the walk must see (the entries' shapes, strides, dtypes).
+_RESHAPED = {"_new_shape", "_cast", "_transpose_same_memory", "_view_same_memory", "_strided",
+             "_swap"}
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 3)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model, opt, i):
+    return {"model": model, "opt": opt, "aux": {"head": model[2]}, "step": i,
+            "best_k": {f"epoch={i}.ckpt": torch.tensor(float(i))}}
+
+
+def _same_flat(a: tree.Flat, b: tree.Flat) -> None:
+    assert a.tree == b.tree and a.structural_hash == b.structural_hash
+    for x, y in ((a.params, b.params), (a.buffers, b.buffers), (a.rest, b.rest)):
+        assert [e[:-1] for e in x] == [e[:-1] for e in y]
+        assert all(e[-1] is f[-1] for e, f in zip(x, y))
+
+
+@pytest.fixture
+def walked(monkeypatch) -> list[tuple]:
+    """The key paths of the tensors walked (not taken from the memo)."""
+    out: list[tuple] = []
+    real = tree._Walker.tensor
+    monkeypatch.setattr(tree._Walker, "tensor",
+                        lambda self, t, path, *a, **k: out.append(path) or real(self, t, path,
+                                                                                *a, **k))
+    return out
+
+
+def test_unchanged_modules_and_optimizer_state_are_not_walked_again(walked):
+    model, opt = _setup()
+    memo = tree.WalkMemo(pools.tensor_guard)
+    tree.flatten(_state(model, opt, 0), memo)
+    model(torch.randn(5, 3)).square().mean().backward()
+    opt.step()  # values change in place: the plan holds
+    walked.clear()
+    state = _state(model, opt, 1)
+    flat = tree.flatten(state, memo)
+    assert walked == [("best_k", "epoch=1.ckpt")], walked  # only what is new
+    _same_flat(flat, tree.flatten(state))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("mutate", OPT_MUTATIONS, ids=lambda f: f.__name__)
+def test_a_changed_optimizer_state_is_noticed(guard, mutate, monkeypatch, walked):
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model, opt = _setup()
+    memo = tree.WalkMemo(lambda ts: pools.tensor_guard(ts))
+    tree.flatten(_state(model, opt, 0), memo)
+    mutate(_exp_avg(opt, 1))
+    state = _state(model, opt, 1)
+    walked.clear()
+    flat = tree.flatten(state, memo)
+    if mutate is not _other_memory:  # same object, shape, dtype: copied live, nothing to redo
+        assert ("opt", "state", 1, "exp_avg") in walked, walked  # walked again
+    assert ("opt", "state", 0, "exp_avg") not in walked, walked  # the others were not
+    _same_flat(flat, tree.flatten(state))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda f: f.__name__)
+def test_a_changed_module_tensor_in_a_mapping_is_noticed(guard, mutate, monkeypatch, walked):
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model, opt = _setup()
+    memo = tree.WalkMemo(lambda ts: pools.tensor_guard(ts))
+    tree.flatten(_state(model, opt, 0), memo)
+    mutate(model[2].weight)  # in "model" and in "aux"
+    state = _state(model, opt, 1)
+    walked.clear()
+    flat = tree.flatten(state, memo)
+    if mutate.__name__ in _RESHAPED:  # the others leave shape, strides and dtype: copied live
+        assert ("model", "2.weight") in walked and ("aux", "head", "weight") in walked, walked
+    _same_flat(flat, tree.flatten(state))
+
+
+def _expected(state: dict) -> dict:
+    import copy
+    return {"model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+            "opt": copy.deepcopy(state["opt"].state_dict()),
+            "aux": {"head": {k: v.clone() for k, v in state["aux"]["head"].state_dict().items()}},
+            "step": state["step"], "best_k": copy.deepcopy(state["best_k"])}
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_every_change_reaches_the_file(tmp_path, guard, monkeypatch):
+    """Through the sidecar: after each change the file equals the state at its submit."""
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model, opt = _setup()
+    changes = [(m, lambda: model[2].weight) for m in MUTATIONS] + \
+        [(m, lambda: _exp_avg(opt, 1)) for m in OPT_MUTATIONS]
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(_state(model, opt, 0), "p0.fdl").result(timeout=60)
+        for i, (mutate, target) in enumerate(changes, 1):
+            mutate(target())
+            state = _state(model, opt, i)
+            want = _expected(state)
+            w.submit(state, f"p{i}.fdl").result(timeout=60)
+            assert_same(snapsvc.load(tmp_path / f"p{i}.fdl"), want, mutate.__name__)
+
+
+class _Counted(nn.Linear):
+    """A module with extra state: a value of this moment, not a tensor."""
+
+    seen = 0
+
+    def get_extra_state(self) -> dict:
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_values_of_this_moment_are_read_again_through_a_memo():
+    """Extra states and container kinds are not tensors a guard can check: a
+    module with extra state and a mapping whose kind changed are walked again."""
+    model = _Counted(2, 2)
+    memo = tree.WalkMemo(pools.tensor_guard)
+    tree.flatten({"model": model, "counts": {"a": 1}}, memo)
+    model.seen = 7
+    counts = __import__("collections").Counter(a=1)
+    flat = tree.flatten({"model": model, "counts": counts}, memo)
+    assert flat.tree["model"].value["_extra_state"] == {"seen": 7}
+    assert type(flat.tree["counts"]) is type(counts)
