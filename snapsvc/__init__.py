@@ -67,7 +67,7 @@ from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .files.verify import VerifyReport
 from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
-from .state.tree import load as _load
+from .state.readback import load as _load
 
 # A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
 load = accepts_url(_load)

@@ -22,7 +22,8 @@ from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError,
 from ..files.meta import read_meta
 from ..format.protocol import ObjectNode, TensorRef
 from ..state.resume import optimizer_state_dict, restore
-from ..state.tree import param_names, path_name, rebuild, restore_tree
+from ..state.readback import rebuild, restore_tree
+from ..state.tree import param_names, path_name
 from .coord import _rank_and_world
 from .manifest import Manifest, read_manifest
 from .shards import _dtensor_type, _is_dtensor
@@ -175,7 +176,7 @@ def _restore_state(m: Manifest, target: Mapping, rank: int, strict: bool,
     rank, anything else the whole global tensor. An optimizer's state is
     mapped to its parameters by their names in the state's modules, so its
     parameters may be sharded differently, or listed in another order.
-    Then :func:`snapsvc.state.tree.restore_tree` checks it all and applies it.
+    Then :func:`snapsvc.state.readback.restore_tree` checks it all and applies it.
     """
     info = (m.sharded or {}).get("state")
     if info is None:

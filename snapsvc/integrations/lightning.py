@@ -97,7 +97,8 @@ from ..engine.writer import SnapshotWriter, WriteHandle
 from ..errors import FormatError, PathError, UnsupportedStateError
 from ..files.checkpoint import checkpoint_version
 from ..state.resume import checkpoint_files
-from ..state.tree import flatten, load
+from ..state.readback import load
+from ..state.tree import flatten
 
 __all__ = ["SnapsvcCheckpointIO"]
 

@@ -98,7 +98,7 @@ from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter
 from ..engine.writer import SnapshotWriter, WriteHandle
-from ..state.tree import load
+from ..state.readback import load
 from .hf_commit import STAGING_PREFIX, Commit, Committer
 
 __all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]

@@ -3,13 +3,15 @@
 What each module holds::
 
     tree.py     flatten a nested state (models, optimizers, schedulers, tensors,
-                plain values) into entries plus a msgpack tree; load and restore it
+                plain values) into entries plus a msgpack tree
+    readback.py that tree back: load() into values, restore into live objects
     resume.py   optimizer state as file entries; restore(path, model | mapping)
 
 Imports: ``files``, ``format`` and ``errors``.
 """
 
 from .resume import checkpoint_files, restore
-from .tree import check_plain, flatten, load
+from .readback import load
+from .tree import check_plain, flatten
 
 __all__ = ["check_plain", "checkpoint_files", "flatten", "load", "restore"]

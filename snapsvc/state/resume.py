@@ -30,7 +30,8 @@ from torch import nn
 from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
 from ..files.meta import Meta, meta_path, optim_path, read_meta
-from .tree import restore_state, set_model_extra_states
+from .readback import restore_state
+from .tree import set_model_extra_states
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]

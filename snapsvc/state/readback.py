@@ -1,0 +1,330 @@
+"""A flattened state the other way: back into values (load), or into live objects (restore_state).
+
+Reading trusts nothing the tree says: kinds, names and inline tensors are
+checked against the entries; a restore checks every shape, class and
+writability first, then applies, and rolls every object back if applying
+fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+import torch
+from torch import nn
+
+from ..files.checkpoint import LoadReport, persistent_buffers, read_verified
+from ..format import fdl, kinds
+from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
+    StrictLoadError, TargetNotWritableError
+from ..files.meta import read_meta
+from ..format.protocol import InlineTensor, ObjectNode, TensorRef
+from .tree import INLINE_DTYPES, _show, extra_states, path_name
+
+__all__ = ["load", "rebuild", "restore_state", "restore_tree"]
+
+
+# -- reading back ------------------------------------------------------------------
+def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
+    dtype = INLINE_DTYPES.get(node.dtype)
+    if dtype is None:
+        raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
+    problem = fdl.shape_problem(node.shape)
+    if problem:
+        raise FormatError(f"inline tensor: {problem}", path=where)
+    numel = math.prod(node.shape)
+    if numel * dtype.itemsize != len(node.data):
+        raise FormatError(f"inline tensor of shape {list(node.shape)} and dtype {node.dtype} "
+                          f"needs {numel * dtype.itemsize} bytes, has {len(node.data)}",
+                          path=where)
+    if not node.data:
+        return torch.empty(node.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+
+
+_KINDS = ("module", "optimizer", "stateful")  # the ObjectNode kinds the walker writes
+
+
+class _Rebuild:
+    def __init__(self, entries: dict[str, torch.Tensor], where: str, keep_objects: bool) -> None:
+        self.entries = entries
+        self.where = where
+        self.keep = keep_objects
+        self.used: set[str] = set()
+
+    def __call__(self, node: Any) -> Any:
+        t = type(node)
+        if t is ObjectNode:
+            self.check_object(node)
+            if not self.keep:
+                return self(node.value)
+        if t is TensorRef:
+            if node.name not in self.entries:
+                raise FormatError(f"the metadata names entry {node.name!r}, which the "
+                                  "checkpoint lacks", path=self.where)
+            self.used.add(node.name)
+            return self.entries[node.name]
+        if t is InlineTensor:
+            return _inline_tensor(node, self.where)
+        if t is ObjectNode:
+            return ObjectNode(node.kind, node.cls, self(node.value))
+        if isinstance(node, dict):   # a plain dict, or a kind read_meta rebuilt
+            return kinds.like(node, {k: self(v) for k, v in node.items()})
+        if t is list:
+            return [self(v) for v in node]
+        if t is tuple:
+            return tuple(self(v) for v in node)
+        return node
+
+    def check_object(self, node: ObjectNode) -> None:
+        """A live object's node holds its state dict, as the walker wrote it:
+        never a non-map where ``load_state_dict`` will want a map."""
+        value = node.value
+        if node.kind not in _KINDS or type(value) is not dict:
+            raise FormatError(f"the metadata holds a {node.kind!r} node of class {node.cls!r} "
+                              f"whose state is a {type(value).__name__}; expected one of "
+                              f"{_KINDS} holding a map", path=self.where)
+        if node.kind == "optimizer":
+            groups = value.get("param_groups")
+            if type(value.get("state")) is not dict or type(groups) is not list or not all(
+                    type(g) is dict and type(g.get("params")) is list
+                    and all(type(i) is int for i in g["params"]) for g in groups):
+                raise FormatError(f"the metadata's {node.cls} optimizer state lacks a state map "
+                                  "or param groups of parameter indices", path=self.where)
+
+
+def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
+    """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree."""
+    meta = read_meta(path)
+    if meta.state is None:
+        raise FormatError("not a nested-state checkpoint (it was submitted as a model: "
+                          "use restore(path, model) or read_checkpoint)", path=path)
+    entries = read_verified(path, meta.size, meta.crc32).entries
+    rebuild = _Rebuild(entries, path, keep_objects)
+    tree = rebuild(meta.state)
+    unused = [n for n in entries if n not in rebuild.used]
+    if unused:
+        raise FormatError(f"entries {unused[:3]} are not in the metadata's state tree: "
+                          "the metadata does not belong to this checkpoint", path=path)
+    return meta, tree
+
+
+def rebuild(tree: Any, entries: dict[str, torch.Tensor], where: str) -> tuple[Any, set[str]]:
+    """(``tree`` from the metadata with its tensors from ``entries`` and its objects
+    kept, the entry names it used); FormatError if it names one ``entries`` lacks."""
+    r = _Rebuild(entries, where, keep_objects=True)
+    return r(tree), r.used
+
+
+def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
+    """The nested state that ``submit(state, path)`` wrote, with tensors on the CPU.
+
+    Modules, optimizers and stateful objects come back as their
+    ``state_dict()`` at submit; key types, tuples, bytes, None and
+    non-finite floats come back exactly. An ``nn.Parameter`` comes back as
+    a plain ``torch.Tensor`` (``requires_grad=False``), deliberately: the file
+    keeps data, not autograd; ``restore`` copies it into the live parameter,
+    which stays a parameter.
+    """
+    return _read(os.fspath(path), keep_objects=False)[1]
+
+
+# -- restoring into live objects ------------------------------------------------------
+@dataclass
+class _Plan:
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    loads: list[tuple[Any, Any]] = field(default_factory=list)  # (object, state dict)
+    extras: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, extra state)
+    report: LoadReport = field(default_factory=LoadReport)
+
+
+@dataclass(frozen=True)
+class _ExtraState:
+    """A restore target: the extra state of ``module`` (``set_extra_state``)."""
+
+    module: nn.Module
+
+
+def _unwritable(t: torch.Tensor) -> str | None:
+    """Why ``copy_`` into ``t`` would fail, or None."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return ("an inference tensor (made under torch.inference_mode), which cannot be "
+                "written outside it; restore into a tensor made outside inference mode")
+    if torch._debug_has_internal_overlap(t) == 1:  # MemOverlap::Yes: copy_ refuses it
+        return ("a view whose elements share memory (an expand()ed tensor); restore into "
+                "a tensor with memory of its own (.clone())")
+    return None
+
+
+class _Matcher:
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.plan = _Plan()
+
+    def tensor(self, live: torch.Tensor, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, torch.Tensor):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a tensor here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        if saved.shape != live.shape:
+            raise ShapeMismatchError(f"{self.where}: {_show(path)}: checkpoint shape "
+                                     f"{list(saved.shape)} but live shape {list(live.shape)}")
+        problem = _unwritable(live)
+        if problem:
+            raise TargetNotWritableError(f"{self.where}: {_show(path)} is {problem}")
+        self.plan.copies.append((live, saved))
+        self.plan.report.loaded.append(path_name(path))
+
+    def same_class(self, live: Any, saved: Any, path: tuple) -> None:
+        """An optimizer, scheduler or stateful object takes only the state its own
+        class saved: another class's ``load_state_dict`` may take it silently
+        (StepLR into CosineAnnealingLR) or fail half-way (SGD into Adam)."""
+        if type(saved) is ObjectNode and saved.kind in ("optimizer", "stateful") \
+                and saved.cls != type(live).__name__:
+            raise ArchitectureMismatchError(
+                f"{self.where}: {_show(path)} was saved from a {saved.cls}, the live object "
+                f"is a {type(live).__name__}; restore into the class that saved it")
+
+    def match(self, live: Any, saved: Any, path: tuple) -> None:
+        kind = saved.kind if type(saved) is ObjectNode else None
+        value = saved.value if type(saved) is ObjectNode else saved
+        if isinstance(live, torch.Tensor):
+            self.tensor(live, value, path)
+        elif isinstance(live, _ExtraState):
+            self.plan.extras.append((live.module, value))
+            self.plan.report.loaded.append(path_name(path))
+        elif isinstance(live, nn.Module):
+            self.module(live, value, path)
+        elif isinstance(live, torch.optim.Optimizer):
+            self.same_class(live, saved, path)
+            self.optimizer(live, value, path, kind)
+        elif callable(getattr(live, "state_dict", None)) \
+                and callable(getattr(live, "load_state_dict", None)):
+            self.same_class(live, saved, path)
+            if not isinstance(value, dict):
+                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} holds a "
+                                                f"{type(value).__name__}, not a state dict")
+            self.plan.loads.append((live, value))
+            self.plan.report.restored.append(path_name(path))
+        elif isinstance(live, Mapping):
+            self.mapping(live, value, path)
+        elif isinstance(live, (list, tuple)) and isinstance(value, (list, tuple)):
+            if len(live) != len(value):
+                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} has {len(live)} "
+                                                f"items here, {len(value)} in the checkpoint")
+            for i, (a, b) in enumerate(zip(live, value)):
+                self.match(a, b, path + (i,))
+        # plain values cannot change in place: they come back in report.state
+
+    def mapping(self, live: Mapping, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a mapping here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        for k, v in live.items():
+            if k in saved:
+                self.match(v, saved[k], path + (k,))
+            else:
+                self.plan.report.missing.append(path_name(path + (k,)))
+        self.plan.report.skipped += [path_name(path + (k,)) for k in saved if k not in live]
+
+    def module(self, live: nn.Module, saved: Any, path: tuple) -> None:
+        if not isinstance(saved, dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a module here, "
+                                            f"a {type(saved).__name__} in the checkpoint")
+        targets: dict[str, Any] = dict(live.named_parameters())
+        targets.update(persistent_buffers(live))
+        targets.update((key, _ExtraState(mod)) for key, mod in extra_states(live))
+        self.mapping(targets, saved, path)  # its tensors and extra states by name
+        self.plan.report.restored.append(path_name(path))
+
+    def optimizer(self, live: torch.optim.Optimizer, saved: Any, path: tuple,
+                  kind: str | None) -> None:
+        """What torch's ``load_state_dict`` checks, checked first: as many
+        parameters per group. State tensors may have any shape (Adafactor's
+        factored rows, LBFGS's flat history), as torch allows."""
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if kind not in (None, "optimizer") or not isinstance(groups, list) \
+                or not isinstance(saved.get("state"), dict):
+            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is an optimizer here, "
+                                            "but the checkpoint holds no optimizer state there")
+        have = [len(g["params"]) for g in live.param_groups]
+        try:
+            want = [len(g["params"]) for g in groups]
+        except (TypeError, KeyError):
+            raise FormatError(f"{_show(path)}: malformed param_groups", path=self.where) from None
+        if have != want:
+            raise ArchitectureMismatchError(
+                f"{self.where}: {_show(path)}: the optimizer's param groups hold {have} "
+                f"parameters, the checkpoint's {want}; build the optimizer the same way")
+        count = sum(have)
+        for index, state in saved["state"].items():
+            if type(index) is not int or not 0 <= index < count or not isinstance(state, dict):
+                raise FormatError(f"{_show(path)}: optimizer state for parameter {index!r}, "
+                                  f"which the optimizer lacks", path=self.where)
+        self.plan.loads.append((live, saved))
+        self.plan.report.restored.append(path_name(path))
+
+
+def restore_state(path: str | os.PathLike[str], target: Mapping, *,
+                  strict: bool = False) -> LoadReport:
+    """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`)."""
+    path = os.fspath(path)
+    meta, saved = _read(path, keep_objects=True)
+    return restore_tree(path, meta, saved, target, strict=strict)
+
+
+def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
+                 strict: bool = False) -> LoadReport:
+    """Restore ``saved`` (a tree rebuilt with its tensors, objects kept) into
+    ``target``: everything checked, then applied. ``path`` names it in errors."""
+    m = _Matcher(path)
+    m.mapping(target, saved, ())
+    report = m.plan.report
+    if strict and (report.skipped or report.missing):
+        raise StrictLoadError(
+            f"{path}: strict restore: {len(report.skipped)} saved paths not in the target "
+            f"{report.skipped[:5]}, {len(report.missing)} target paths not in the checkpoint "
+            f"{report.missing[:5]}; pass strict=False to restore the overlap")
+    _apply(m.plan)
+    report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
+    report.state = _Rebuild({}, path, keep_objects=False)(saved)  # objects -> their state
+    return report
+
+
+def _apply(plan: _Plan) -> None:
+    """Everything checked: load objects, set extra states, copy tensors; all or nothing.
+
+    What the checks cannot foresee (a ``load_state_dict`` or ``copy_`` that
+    raises) undoes every change already made, in reverse order, then
+    re-raises. The undo keeps: an optimizer's previous ``state_dict()`` (its
+    tensors by reference: loading replaces them, never writes into them),
+    a deep copy of every other object's state, and a CPU copy of each live
+    tensor before it is overwritten (so a restore holds up to the restored
+    tensors' size in extra host memory until it returns).
+    """
+    undo: list[Callable[[], Any]] = []
+    try:
+        for obj, sd in plan.loads:
+            previous = obj.state_dict()
+            if not isinstance(obj, torch.optim.Optimizer):
+                previous = copy.deepcopy(previous)
+            undo.append(functools.partial(obj.load_state_dict, previous))  # undoes a half-load too
+            obj.load_state_dict(sd)
+        for module, state in plan.extras:
+            undo.append(functools.partial(module.set_extra_state,
+                                          copy.deepcopy(module.get_extra_state())))
+            module.set_extra_state(state)
+        with torch.no_grad():
+            for live, saved in plan.copies:
+                previous = live.detach().to("cpu", copy=True)
+                live.copy_(saved)
+                undo.append(functools.partial(live.copy_, previous))
+    except BaseException:
+        with torch.no_grad():
+            for step in reversed(undo):
+                step()
+        raise
