@@ -166,3 +166,16 @@ def _state_plan(state: Mapping, rank: int) -> tuple[Flat, list[dict[str, Any]], 
     desc = {"params": names["param"], "buffers": names["buffer"], "optimizer": None,
             "state": {"optimizers": optimizers}}
     return flat, [records[n] for n in order], desc
+
+
+def _holds_dtensor(state: Mapping) -> bool:
+    """Whether a tensor of ``state`` (bare, a module's, an optimizer's parameter) is a
+    DTensor. Only such a state is saved as pieces of global tensors, the same
+    structure on every rank; any other state is each rank's own file (as the HF
+    Trainer's DDP save has it: the model on the main process, RNG states on all)."""
+    if any(_is_sharded(m) for _, m in find(state, nn.Module)):
+        return True
+    if any(_is_dtensor(p) for _, opt in find(state, torch.optim.Optimizer)
+           for g in opt.param_groups for p in g["params"]):
+        return True
+    return any(_is_dtensor(t) for _, t in find(state, torch.Tensor))

@@ -60,7 +60,7 @@ from .commit import Coordinator
 from .coord import _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
-from .shards import SHARDS_KEY, _is_sharded, _shard_plan, _state_plan
+from .shards import SHARDS_KEY, _holds_dtensor, _is_sharded, _shard_plan, _state_plan
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport"]
 
@@ -186,6 +186,8 @@ class DistributedSnapshotWriter:
         (modules, optimizers, stateful objects, tensors, plain values), whose
         DTensors may sit anywhere: each rank stages its pieces of every
         tensor, a replicated block or plain tensor once (see docs/distributed.md).
+        A state without DTensors is each rank's own file, and ranks may differ
+        (the HF Trainer's DDP save: the model on the main process, RNG on all).
         Every rank must submit the same steps, in the same order, each
         greater than the steps still pending (and a state of the same
         structure); a step may come again once its earlier checkpoint
@@ -222,7 +224,7 @@ class DistributedSnapshotWriter:
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
             os.makedirs(d, exist_ok=True)   # every rank: shared filesystem, any may be first
-            if isinstance(model, Mapping):
+            if isinstance(model, Mapping) and _holds_dtensor(model):
                 if optimizer is not None or extra is not None:
                     raise TypeError("with a state mapping, put optimizers and extra values "
                                     "inside the mapping")
