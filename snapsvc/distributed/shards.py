@@ -173,9 +173,13 @@ def _holds_dtensor(state: Mapping) -> bool:
     DTensor. Only such a state is saved as pieces of global tensors, the same
     structure on every rank; any other state is each rank's own file (as the HF
     Trainer's DDP save has it: the model on the main process, RNG states on all)."""
-    if any(_is_sharded(m) for _, m in find(state, nn.Module)):
-        return True
-    if any(_is_dtensor(p) for _, opt in find(state, torch.optim.Optimizer)
-           for g in opt.param_groups for p in g["params"]):
-        return True
-    return any(_is_dtensor(t) for _, t in find(state, torch.Tensor))
+    for _, v in find(state, (nn.Module, torch.optim.Optimizer, torch.Tensor)):  # one walk
+        if isinstance(v, nn.Module):
+            if _is_sharded(v):
+                return True
+        elif isinstance(v, torch.optim.Optimizer):
+            if any(_is_dtensor(p) for g in v.param_groups for p in g["params"]):
+                return True
+        elif _is_dtensor(v):
+            return True
+    return False
