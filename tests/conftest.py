@@ -38,7 +38,11 @@ _OURS = ("torch_", "psm_", "snapsvc")
 
 
 def _shm_entries() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if e.startswith(_OURS)}
+    # torch names its segments torch_<creator pid>_...: count only this
+    # process's, so a test run or a helper beside this one cannot fail it.
+    mine = f"torch_{os.getpid()}_"
+    return {e for e in os.listdir("/dev/shm") if e.startswith(_OURS)
+            and (not e.startswith("torch_") or e.startswith(mine))}
 
 
 def _open_fds() -> set[str]:
