@@ -47,6 +47,7 @@ class Request:
     model: nn.Module | None = None
     walked: list[torch.Tensor | None] | None = None
     extra_state: dict[str, Any] | None = None  # a model's get_extra_state() values
+    plain: bool = False  # its tree's mappings are all dicts: no kinds table to split off
 
 
 def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
@@ -97,7 +98,7 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,
         req = _entries(flat.params, flat.buffers, state=flat.rest,
                        structural_hash=flat.structural_hash,
                        checked=not isinstance(obj, Flat))  # a Flat's pieces: checked here
-        req.tree = flat.tree
+        req.tree, req.plain = flat.tree, not flat.kinds
         return req
     raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "
                     f"not {type(obj).__name__}")
@@ -154,15 +155,18 @@ def check_path(directory: str | None, path: str | os.PathLike[str], *,
     return full
 
 
-def pack_body(path: str, reserved: int, **values: Any) -> bytes:
+def pack_body(path: str, reserved: int, plain_state: bool = False, **values: Any) -> bytes:
     """The WRITE message's metadata values, packed once, before a slot is taken.
 
     Packed by the function the sidecar and the reader unpack with, and held
     to the reader's size limit (less room for what the sidecar adds: sizes,
     checksums and the buffer names), so a value accepted here is one that
     can be written and read back. ``reserved``: bytes the sidecar adds.
+    ``plain_state``: the walk found no Counter, OrderedDict or defaultdict
+    in ``state``, so it is not searched again.
     """
-    trees, records = kinds.split({r: values[r] for r in ("state", "extra") if r in values})
+    roots = ("extra",) if plain_state else ("state", "extra")
+    trees, records = kinds.split({r: values[r] for r in roots if r in values})
     values.update(trees, kinds=records)   # the sidecar joins them back (worker.py)
     try:
         body = protocol.pack_value(values)

@@ -222,8 +222,8 @@ class SnapshotWriter:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
         try:
-            body = pack_body(path, pool[0].buffer_bytes, epoch=epoch, metrics=metrics,
-                             extra=extra, optim=req.optim, state=req.tree,
+            body = pack_body(path, pool[0].buffer_bytes, req.plain, epoch=epoch,
+                             metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
                              extra_state=req.extra_state)
             return self._dispatch.stage(pool, sources, plan, path, body, started, timeout)
         finally:

@@ -14,7 +14,7 @@ The file order of the entries is independent of where they sit in the slot.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -60,8 +60,8 @@ class Group:
     dtype: torch.dtype
 
 
-def _group_key(spec: TensorSpec) -> tuple[bool, torch.dtype]:
-    return spec.kind in EARLY, spec.dtype
+def _group_key(kind: str, dtype: torch.dtype) -> tuple[bool, torch.dtype]:
+    return kind in EARLY, dtype
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,20 @@ class Layout:
                    *state, *((OPTIM, n, t) for n, t in optim)]
         for _, name, t in triples:
             fdl.check_encodable(name, t)  # refuse before anything is staged
-        specs = [TensorSpec(name, tuple(t.shape), t.dtype, 0, t.numel() * t.element_size(), kind)
-                 for kind, name, t in triples]
+        sizes = [t.numel() * t.element_size() for _, _, t in triples]
+        groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+        for i, (kind, _, t) in enumerate(triples):
+            groups.setdefault(_group_key(kind, t.dtype), []).append(i)
+        offsets = [0] * len(triples)
         offset = HEADER
-        for indices in _grouped(specs).values():
+        for indices in groups.values():  # the order _grouped() gives
             for i in indices:
-                specs[i] = replace(specs[i], offset=offset)
-                offset += specs[i].nbytes
+                offsets[i] = offset
+                offset += sizes[i]
             offset = -(-offset // ALIGN) * ALIGN
-        return cls(tuple(specs), offset, structural_hash)
+        specs = tuple(TensorSpec(name, tuple(t.shape), t.dtype, off, n, kind)
+                      for (kind, name, t), off, n in zip(triples, offsets, sizes))
+        return cls(specs, offset, structural_hash)
 
     @functools.cached_property
     def groups(self) -> tuple[Group, ...]:
@@ -119,5 +124,5 @@ class Layout:
 def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
     groups: dict[tuple[bool, torch.dtype], list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault(_group_key(spec), []).append(i)
+        groups.setdefault(_group_key(spec.kind, spec.dtype), []).append(i)
     return groups

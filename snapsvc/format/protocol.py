@@ -42,6 +42,7 @@ Extension types (msgpack ``ExtType`` codes), for what plain msgpack cannot tell 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class TensorRef:
 
     name: str
 
+    @functools.cached_property
+    def ext(self) -> msgpack.ExtType:
+        # kept: a walk memo hands the same refs to every save of a state
+        return msgpack.ExtType(_REF, self.name.encode("utf-8"))
+
 
 @dataclass(frozen=True)
 class ObjectNode:
@@ -110,7 +116,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     if type(obj) is tuple:
         return msgpack.ExtType(_TUPLE, pack_value(list(obj)))
     if type(obj) is TensorRef:
-        return msgpack.ExtType(_REF, obj.name.encode("utf-8"))
+        return obj.ext
     if type(obj) is ObjectNode:
         return msgpack.ExtType(_OBJECT, pack_value([obj.kind, obj.cls, obj.value]))
     if type(obj) is InlineTensor:

@@ -179,6 +179,7 @@ class Flat:
     rest: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (kind, name, t)
     tree: Any = None
     structural_hash: str = ""
+    kinds: bool = False  # the tree holds a Counter, OrderedDict or defaultdict
 
     def tensors(self) -> list[torch.Tensor]:
         """Copy sources, in the layout's order."""
@@ -293,6 +294,7 @@ class _Walker:
                     kind = kinds.kind_of(v)
                 except ValueError as e:
                     raise self.refuse(path, str(e)) from None
+                self.flat.kinds |= kind is not None
                 if self.memo is not None and all(map(_is_leaf, v.values())):
                     key, held = ("map", path, step), list(v.values())
                     # its kind and key types too (1 == True)
