@@ -8,7 +8,10 @@ Each rank is a spawned process on gloo (CPU) holding its own model of the
 named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
 tensors of 32 KiB), or its shards of one global model (``fsdp<N>M``: N MiB
 global of ``Linear(4096, 4096)`` layers, each ``fully_shard``-ed with FSDP2,
-so each rank holds N / world MiB of DTensor shards). For each model the ranks
+so each rank holds N / world MiB of DTensor shards). A ``+adam`` suffix
+(``fsdp64M+adam``) adds AdamW after one step: the checkpoint is then the
+state ``{"model", "optim"}`` (DCP: ``get_state_dict(model, optim)``), the
+optimizer's moments sharded as the parameters are. For each model the ranks
 alternate the two methods, ``--reps`` times each after one untimed warm-up
 (which starts the sidecars, DCP's checkpoint process and its gloo group, and
 allocates the staging memory), with a barrier before every save so ranks
@@ -67,6 +70,20 @@ _LARGE = 16 << 20
 WAIT_S = 600.0
 
 
+def build(spec: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The model of ``spec``, and with a ``+adam`` suffix its AdamW after one step
+    (so its moments exist): saved then as the state ``{"model", "optim"}``."""
+    name, _, opt = spec.partition("+")
+    model = build_model(name, seed)
+    if opt != "adam":
+        return model, None
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    adam.step()
+    return model, adam
+
+
 def build_model(spec: str, seed: int) -> nn.Module:
     """Same shapes as benchmarks/stall.py, or an FSDP2-sharded stack of Linear layers."""
     torch.manual_seed(seed)
@@ -89,9 +106,23 @@ def build_model(spec: str, seed: int) -> nn.Module:
     return m
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensors(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """This rank's tensors of a checkpoint: the model's, then the optimizer state's."""
+    out = [_local(v) for v in model.state_dict().values()]
+    if opt is not None:
+        out += [_local(v) for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor)]
+    return out
+
+
 @torch.no_grad()
-def _touch(model: nn.Module) -> None:
-    torch._foreach_add_(list(model.parameters()), 1.0)  # a "training step" between saves
+def _touch(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+    # a "training step" between saves: every saved tensor changes
+    torch._foreach_add_([t for t in tensors(model, opt) if t.is_floating_point()], 1.0)
 
 
 class Snapsvc:
@@ -104,9 +135,10 @@ class Snapsvc:
         self.step = 0
         self.handle = None
 
-    def save(self, model: nn.Module) -> None:
+    def save(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
         self.step += 1
-        self.handle = self.w.submit(model, self.step)
+        self.handle = self.w.submit(model if opt is None else {"model": model, "optim": opt},
+                                    self.step)
 
     def wait_durable(self) -> None:
         self.handle.result(timeout=WAIT_S)
@@ -134,8 +166,9 @@ class Dcp:
         self.upload: Future | None = None
         self.path = ""
 
-    def save(self, model: nn.Module) -> None:
+    def save(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
         from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint.state_dict import get_state_dict
         from torch.distributed.checkpoint.state_dict_saver import (
             AsyncCheckpointerType,
             AsyncSaveResponse,
@@ -144,7 +177,12 @@ class Dcp:
         self.path = os.path.join(self.dir, f"dcp_{self.seq:04d}")
         # One top-level key, as DCP's examples do: async_save wraps each
         # top-level key in a logging decorator, costly for thousands of keys.
-        resp = async_save({"model": model.state_dict()}, checkpoint_id=self.path,
+        if opt is None:
+            state = {"model": model.state_dict()}
+        else:  # DCP's own helper for a sharded model and its optimizer
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+        resp = async_save(state, checkpoint_id=self.path,
                           async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                           async_stager=self.stager)
         if isinstance(resp, AsyncSaveResponse):  # only with use_async_staging=True
@@ -179,23 +217,21 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=WAIT_S))
         for spec in specs:
-            model = build_model(spec, 1000 + rank)
-            local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-            nbytes = sum(p.numel() * p.element_size() for p in local)
+            model, opt = build(spec, 1000 + rank)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors(model, opt))
             d = os.path.join(base, spec)
             methods = [Snapsvc(os.path.join(d, "snapsvc")), Dcp(os.path.join(d, "dcp"))]
             rec = {m.name: {"stall_s": [], "durable_s": [], "raw_s": []} for m in methods}
             raw = RawCopy()
             for rep in range(reps + 1):        # rep 0: warm-up, not recorded
                 for m in methods:
-                    _touch(model)
+                    _touch(model, opt)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    m.save(model)
+                    m.save(model, opt)
                     stall = time.perf_counter() - t0
                     # the floor: this rank's tensors of that checkpoint, copied right after
-                    raw.measure([v.to_local() if hasattr(v, "to_local") else v
-                                 for v in model.state_dict().values()])
+                    raw.measure(tensors(model, opt))
                     m.wait_durable()
                     durable = time.perf_counter() - t0
                     if rep:
@@ -207,7 +243,7 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
             for m in methods:
                 m.close()
             _stop_dcp_process()                # the next model gets a fresh one
-            out["models"][spec] = {"bytes": nbytes, "tensors": len(list(model.parameters())),
+            out["models"][spec] = {"bytes": nbytes, "tensors": len(tensors(model, opt)),
                                    **rec}
             dist.barrier()
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ process (benchmarks/rawcopy.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--out", help="also write the report to this file")
+    p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
     mib = sum(t.numel() * t.element_size() for t in model().state_dict().values()) / 2**20
     lines = [f"hf_stall: {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
@@ -120,7 +122,7 @@ def main() -> None:
              f"a checkpoint every {a.every} (save_total_limit=2)",
              f"{'trainer':<16}{'saves':>6}{'stall p50 ms':>14}{'p99 ms':>9}{'raw p50 ms':>12}"
              f"{'stall/raw':>10}{'first ms':>10}{'drain ms':>10}{'train s':>9}"]
-    medians = {}
+    medians, figures = {}, {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         for name, cls, kwargs in (("Trainer", Trainer, {}),
                                   ("SnapsvcTrainer", SnapsvcTrainer, {}),
@@ -132,6 +134,8 @@ def main() -> None:
             medians[name] = statistics.median(steady)
             ratio = statistics.median(s / c for s, c in zip(steady, raw))
             p99 = sorted(steady)[min(len(steady) - 1, int(0.99 * len(steady)))]
+            figures[name.strip()] = {"p50": medians[name], "p99": p99, "ratio": ratio,
+                                     "raw_p50": statistics.median(raw), "first": t.stalls[0]}
             lines.append(f"{name:<16}{len(t.stalls):>6}{medians[name] * 1e3:>14.1f}"
                          f"{p99 * 1e3:>9.1f}{statistics.median(raw) * 1e3:>12.1f}{ratio:>10.2f}"
                          f"{t.stalls[0] * 1e3:>10.1f}{t.drain * 1e3:>10.1f}{t.wall:>9.1f}")
@@ -140,6 +144,9 @@ def main() -> None:
                      f"{medians['Trainer'] / medians[name]:.2f}x")
     text = "\n".join(lines)
     print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(figures, f, indent=1)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")

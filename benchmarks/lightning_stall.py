@@ -146,8 +146,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
              "first stall ms   fit s  files"]
     for r in rows:
         rest, inner, raw = r["stall"][1:], r["inner"][1:], r["raw"][1:]
-        r["p50"] = statistics.median(rest)
-        ratio = statistics.median(s / c for s, c in zip(rest, raw))
+        r["p50"], r["raw_p50"] = statistics.median(rest), statistics.median(raw)
+        r["ratio"] = ratio = statistics.median(s / c for s, c in zip(rest, raw))
         lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
                      f"{ms(statistics.median(raw)):>11} {ratio:10.2f} "
                      f"{ms(statistics.median(inner)):>10} {ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  "
@@ -179,14 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ms", type=float, default=30.0, help="simulated GPU compute per step")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--io", choices=IOS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
-    text = report(args, [run_one(args, io) for io in IOS])
+    rows = [run_one(args, io) for io in IOS]
+    text = report(args, rows)
     print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"$ python benchmarks/lightning_stall.py {' '.join(argv or sys.argv[1:])}\n{text}\n")
