@@ -321,6 +321,7 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     if options.get("remote") is not None:
         remote = {k: options[k] for k in ("remote", "directory", "remote_keep_last",
                                           "remote_timeout", "remote_options")}
+        remote["remote_scan"] = options.get("remote_scan", True)
 
     def files() -> Any:
         init_package()
