@@ -20,7 +20,7 @@ import snapsvc
 from dist_world import run_world
 from snapsvc.distributed import MANIFEST_NAME
 
-pytest_plugins = ["remote_fixtures"]  # s3
+pytest_plugins = ["remote_fixtures"]  # s3, unreachable_s3, secret
 
 pytest.importorskip("obstore")
 
@@ -89,6 +89,9 @@ def test_world1_remote_tiers_latest_checkpoint_and_corruption(s3, world1, tmp_pa
     # the newest complete step of either tier; the local one when both have it
     latest = snapsvc.latest_checkpoint
     assert latest(d, remote=s3.url) == str(d / "step_2")
+    local = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]), "b": torch.zeros(3)}
+    snapsvc.restore_distributed(d / "step_2", local)   # the same reads, from a local file
+    assert torch.equal(local["w"].to_local(), state["w"].to_local())
     shutil.rmtree(d / "step_2")
     assert latest(d, remote=s3.url) == f"{s3.url}/step_2"
     manifest2 = s3.read(f"step_2/{MANIFEST_NAME}")
@@ -145,6 +148,27 @@ def test_world1_remote_retention_keeps_the_newest_complete_steps(s3, world1, tmp
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_1", "step_2", "step_3"]
 
 
+@pytest.mark.timeout(120)
+def test_world1_unreachable_remote_fails_uploaded_and_local_commits_go_on(unreachable_s3,
+                                                                          world1, tmp_path,
+                                                                          secret):
+    model, _ = make_model(0)
+    d = tmp_path / "ckpt"
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=unreachable_s3,
+                                           remote_timeout=3.0) as w:
+        handles = [w.submit(model, step) for step in (1, 2)]
+        for h in handles:
+            assert h.result(timeout=RESULT_S).step == h.step   # committed locally
+        for h in handles:
+            with pytest.raises(snapsvc.UploadError, match="not committed on the remote tier"
+                               ) as e:
+                h.uploaded(timeout=RESULT_S)
+            assert "rank 0" in str(e.value) and secret not in str(e.value)
+        stats = w.stats()
+    assert stats["committed"] == 2 and stats["upload_failed"] == 2
+    assert snapsvc.latest_checkpoint(d) == str(d / "step_2")
+
+
 # -- two ranks ----------------------------------------------------------------------------
 def scenario_save(rank: int, world: int, tmp: str, remote: str) -> dict:
     model, opt = make_model(100 + rank)
@@ -168,9 +192,9 @@ def scenario_restore(rank: int, world: int, tmp: str, url: str) -> dict:
                        for i in saved["opt"]["state"] for k in ("exp_avg", "exp_avg_sq"))}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_world2_uploaded_on_both_ranks_then_restored_from_the_remote_tier(s3, tmp_path):
-    codes, results = run_world(tmp_path, 2, scenario_save, remote=s3.url)
+    codes, results = run_world(tmp_path, 2, scenario_save, run_s=180, remote=s3.url)
     assert codes == [0, 0], results
     url = f"{s3.url}/step_7"
     assert [r["url"] for r in results] == [url, url]
@@ -182,5 +206,5 @@ def test_world2_uploaded_on_both_ranks_then_restored_from_the_remote_tier(s3, tm
     assert snapsvc.latest_checkpoint(d, remote=s3.url) == url
     for r in (0, 1):
         os.remove(tmp_path / f"result{r}.json")
-    codes, results = run_world(tmp_path, 2, scenario_restore, url=url)
+    codes, results = run_world(tmp_path, 2, scenario_restore, run_s=180, url=url)
     assert codes == [0, 0] and results == [{"model": True, "opt": True}] * 2, results

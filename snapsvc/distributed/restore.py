@@ -44,8 +44,10 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
     verify)``: a checkpoint submitted as a state mapping, into a mapping of
     live objects, as :func:`snapsvc.restore` does (see :func:`_restore_state`).
 
-    ``path`` is a ``step_<N>`` directory (as :func:`latest_checkpoint`
-    returns). Local: no collective is run; a rank that raises should stop
+    ``path`` is a ``step_<N>`` directory or a remote step's URL
+    (``s3://bucket/run/step_<N>``; as :func:`latest_checkpoint` returns): from
+    the remote tier, each rank fetches its own files, or for a sharded
+    checkpoint the byte ranges it needs, with the same checks. Local: no collective is run; a rank that raises should stop
     the job. Nothing in the model or optimizer changes unless every check
     passes. The report's ``epoch``, ``metrics`` and ``extra`` are this rank's
     (rank 0's for a rank the checkpoint did not have).

@@ -137,6 +137,7 @@ class DistributedSnapshotWriter:
         # every rank must agree: the remote tier adds a collective (a group) and exchanges
         remotes = _all_gather_msg(self.remote is not None, self.world_size, self._group)
         if len(set(remotes)) > 1:
+            dist.destroy_process_group(self._group)
             raise ValueError(f"remote= is set on ranks {[r for r, on in enumerate(remotes) if on]}"
                              " only: pass the same remote on every rank")
         # remote_keep_last is not the per-rank writer's: its series rule would take
