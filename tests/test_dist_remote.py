@@ -9,6 +9,7 @@ and one to restore (tests/dist_world.py).
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 import snapsvc
 from dist_world import run_world
 from snapsvc.distributed import MANIFEST_NAME
+from snapsvc.remote.upload import Uploader
 
 pytest_plugins = ["remote_fixtures"]  # s3, unreachable_s3, secret
 
@@ -146,6 +148,24 @@ def test_world1_remote_retention_keeps_the_newest_complete_steps(s3, world1, tmp
     assert stats["uploaded"] == 3 and stats["upload_failed"] == 0
     assert sorted({k.partition("/")[0] for k in s3.keys()}) == ["step_2", "step_3"]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_1", "step_2", "step_3"]
+
+    # A rank's upload of a step saved again (a run resumed from an earlier step) deletes
+    # the step's remote manifest before its files: here the new upload fails (its local
+    # file no longer matches its metadata), and the old manifest is not left over it.
+    rank0 = tmp_path / "ckpt" / "step_3" / "rank0.fdl"
+    data = bytearray(rank0.read_bytes())
+    data[-3] ^= 0x10
+    rank0.write_bytes(bytes(data))
+    done: queue.Queue = queue.Queue()
+    up = Uploader(s3.url, str(tmp_path / "ckpt"), remote_timeout=30.0, options=None,
+                  keep_last=None, on_done=lambda job, url, error, skipped: done.put(error),
+                  scan=False, uncommit=(MANIFEST_NAME,))
+    up.start()
+    up.enqueue(1, str(rank0))
+    assert "crc32" in done.get(timeout=RESULT_S)
+    up.close(10)
+    assert f"step_3/{MANIFEST_NAME}" not in s3.keys()
+    assert snapsvc.latest_checkpoint(tmp_path / "nowhere", remote=s3.url) == f"{s3.url}/step_2"
 
 
 @pytest.mark.timeout(120)

@@ -147,9 +147,12 @@ class DistributedSnapshotWriter:
                                       remote_options=remote_options, **writer_options)
         self._uploads: Uploads | None = None
         if self.remote is not None:
-            # a rank's sidecar must not upload at its start what it finds in the shared
-            # directory: the other ranks' files are there too (their sidecars upload them)
-            self._writer._life.options["remote_scan"] = False
+            # A rank's sidecar must not upload at its start what it finds in the shared
+            # directory: the other ranks' files are there too (their sidecars upload them).
+            # It deletes the step's remote manifest before its files: a step saved again
+            # (a run resumed from an earlier one) is never complete over other bytes.
+            self._writer._life.options.update(remote_scan=False,
+                                              remote_uncommit=(MANIFEST_NAME,))
             self._upload_group = _new_group(process_group,
                                             self.coord_timeout + upload_wait(remote_timeout))
             self._uploads = Uploads(self.remote, self.directory, self._upload_group,
