@@ -47,8 +47,8 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
     ``path`` is a ``step_<N>`` directory or a remote step's URL
     (``s3://bucket/run/step_<N>``; as :func:`latest_checkpoint` returns): from
     the remote tier, each rank fetches its own files, or for a sharded
-    checkpoint the byte ranges it needs, with the same checks. Local: no collective is run; a rank that raises should stop
-    the job. Nothing in the model or optimizer changes unless every check
+    checkpoint the byte ranges it needs, with the same checks. Local: no
+    collective is run; a rank that raises should stop the job. Nothing in the model or optimizer changes unless every check
     passes. The report's ``epoch``, ``metrics`` and ``extra`` are this rank's
     (rank 0's for a rank the checkpoint did not have).
 
@@ -133,8 +133,6 @@ def _restore_sharded(step: LocalStep, model: nn.Module,
             region = _region(t)
             if region is not None:
                 wanted.append((t, g, region))
-        reader.prefetch([(g, *region) for _, g, region in wanted])
-        copies.extend((t, reader.assemble(g, *region)) for t, g, region in wanted)
         have = set(report.loaded) | set(report.missing)
         report.skipped = [n for n, g in saved.items() if g.kind in model_kinds and n not in have]
         if strict and (report.skipped or report.missing):
@@ -142,6 +140,8 @@ def _restore_sharded(step: LocalStep, model: nn.Module,
                 f"{m.path}: strict load: {len(report.skipped)} entries not in the model "
                 f"{report.skipped[:5]}, {len(report.missing)} model tensors not in the checkpoint "
                 f"{report.missing[:5]}; pass strict=False to load the overlap")
+        reader.prefetch([(g, *region) for _, g, region in wanted])
+        copies.extend((t, reader.assemble(g, *region)) for t, g, region in wanted)
         optim_sd = None
         if optimizer is not None:
             info = (m.sharded or {}).get("optimizer")
