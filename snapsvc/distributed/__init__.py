@@ -2,7 +2,9 @@
 
 What each module holds::
 
-    manifest.py     the step directory, its manifest, latest_checkpoint
+    manifest.py     the step directory, its manifest, the local tier's newest complete step
+    tier.py         latest_checkpoint over both tiers; a step read locally or from the remote tier
+    uploads.py      Uploads: this rank's thread that commits each step on the remote tier
     coord.py        rank/world lookup and small msgpack messages over a gloo group
     shards.py       DTensor pieces: what each rank stages (FSDP2, tensor parallel)
     pieces.py       reading pieces back: global tensors, ranged CRC-checked reads
@@ -13,14 +15,15 @@ What each module holds::
     consolidate.py  a sharded checkpoint's whole model as one .fdl (.safetensors, .pt)
     verify.py       a step directory checked as a whole: manifest and every rank's files
 
-Imports: the engine (the per-rank ``SnapshotWriter``), ``state``, ``files``,
-``format`` and ``errors``; nothing above (integrations, cli).
+Imports: the engine (the per-rank ``SnapshotWriter``), ``remote``, ``state``,
+``files``, ``format`` and ``errors``; nothing above (integrations, cli).
 """
 
 from .consolidate import consolidate
-from .manifest import MANIFEST_NAME, Manifest, RankFile, latest_checkpoint, read_manifest, step_dir
+from .manifest import MANIFEST_NAME, Manifest, RankFile, read_manifest, step_dir
 from .restore import restore_distributed
 from .shards import SHARDS_KEY
+from .tier import latest_checkpoint
 from .writer import DistributedSnapshotWriter, DistributedWriteHandle, DistributedWriteReport
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport",

@@ -9,6 +9,7 @@
     rank 0: if every rank ok, write the manifest
     broadcast (committed, error) from rank 0                 [coord group]
     resolve the handle: a report, or DistributedCheckpointError naming the ranks
+    (with a remote tier: hand the committed step to :mod:`.uploads`)
 
 A failed exchange (a rank died, hung or fell out of step) leaves the group's
 state unknown: the coordinator is then ``broken`` and the writer refuses
@@ -23,7 +24,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..engine.handles import WriteReport
 from ..engine.writer import SnapshotWriter
@@ -44,8 +45,11 @@ class Coordinator:
     """Runs the exchanges of one rank on its own thread (see the module docstring)."""
 
     def __init__(self, writer: SnapshotWriter, group: Any, root: int, rank: int,
-                 world_size: int, coord_timeout: float, write_timeout: float) -> None:
+                 world_size: int, coord_timeout: float, write_timeout: float,
+                 on_commit: Callable[[DistributedWriteHandle], None] | None = None) -> None:
         self.writer = writer
+        # with a remote tier: given each step committed on every rank, in commit order
+        self.on_commit = on_commit
         self.group = group
         self.root = root
         self.rank = rank
@@ -70,7 +74,8 @@ class Coordinator:
         """A new handle, unresolved until its exchange settles it."""
         with self.lock:
             self._seq += 1
-            handle = DistributedWriteHandle(self._seq, path, step, self.rank, file)
+            handle = DistributedWriteHandle(self._seq, path, step, self.rank, file,
+                                            remote=self.on_commit is not None)
             self.unresolved[handle.seq] = handle
         self.counts["submitted"] += 1
         return handle
@@ -236,6 +241,7 @@ class Coordinator:
             except Exception as e:
                 decision = [False, f"writing the manifest on rank 0: {_reason(e)}"]
         committed_here = decision[0]
+        agreed = True   # every rank knows the decision
         try:
             decision = _broadcast_msg(decision, self.root, self.group)
         except Exception as e:
@@ -249,7 +255,7 @@ class Coordinator:
                     "latest_checkpoint() decides.", step=step, timed_out=True))
                 return
             log.warning("%s (the manifest is committed; this rank reports success)", self.broken)
-            decision = [True, None]
+            decision, agreed = [True, None], False
         coord_s = time.monotonic() - t0
         if not decision[0]:
             if decision[1] is not None:
@@ -259,6 +265,11 @@ class Coordinator:
                 f"step {step} not committed (no manifest) because of rank(s) "
                 f"{sorted(failures)}: {detail}", step=step, failures=failures))
             return
+        if self.on_commit is not None:
+            if agreed:
+                self.on_commit(item.handle)
+            else:
+                item.handle.fail_upload(f"not uploaded: {self.broken}")
         total = sum(g["size"] + (g["optim"]["size"] if g["optim"] else 0) for g in gathered)
         self.counts["committed"] += 1
         with self.lock:

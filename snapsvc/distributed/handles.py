@@ -33,11 +33,15 @@ class DistributedWriteHandle(WriteHandle):
     """A pending multi-rank checkpoint; ``result()`` is a :class:`DistributedWriteReport`.
 
     It resolves on every rank only after rank 0 committed the manifest, or
-    fails on every rank with :class:`DistributedCheckpointError`.
+    fails on every rank with :class:`DistributedCheckpointError`. With a remote
+    tier, :meth:`uploaded` returns the step's remote URL on every rank once rank
+    0 committed the remote manifest (after every rank's upload), or raises
+    :class:`~snapsvc.errors.UploadError` on every rank.
     """
 
-    def __init__(self, seq: int, path: str, step: int, rank: int, file: str) -> None:
-        super().__init__(seq, path)
+    def __init__(self, seq: int, path: str, step: int, rank: int, file: str, *,
+                 remote: bool = False) -> None:
+        super().__init__(seq, path, remote=remote)
         self.step = step
         self.rank = rank
         self.file = file

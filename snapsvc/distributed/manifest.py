@@ -12,26 +12,29 @@ A ``step_<N>`` directory without a valid manifest is incomplete by
 definition: the manifest is written (durably: temp file, fsync, rename,
 fsync of the step directory and of ``directory``) only after every rank has
 reported its files durable, and it records each rank's file name, size and
-CRC-32. :func:`latest_checkpoint` returns only complete checkpoints.
+CRC-32. :func:`~snapsvc.distributed.tier.latest_checkpoint` returns only
+complete checkpoints.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..files.durable import atomic_write, fsync_dir
 from ..format import fdl
 from ..errors import CheckpointNotFoundError, FormatError
-from ..files.meta import meta_path, read_msgpack_file
+from ..files.meta import meta_path, read_msgpack_file, unpack_msgpack_map
 from ..format.protocol import pack_value
 
-__all__ = ["MANIFEST_NAME", "Manifest", "RankFile", "latest_checkpoint", "read_manifest", "step_dir"]
+__all__ = ["MANIFEST_NAME", "Manifest", "RankFile", "parse_manifest", "read_manifest", "step_dir",
+           "step_number"]
 
 log = logging.getLogger("snapsvc")
 
@@ -41,6 +44,8 @@ MANIFEST_MAGIC = "snapsvc-dist-manifest"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _MAX_MANIFEST = 64 << 20
+_MANIFEST_FORMAT = {"magic": MANIFEST_MAGIC, "version_key": "manifest_version",
+                    "version": MANIFEST_VERSION, "limit": _MAX_MANIFEST}
 
 
 def step_dir(directory: str | os.PathLike[str], step: int) -> str:
@@ -117,10 +122,20 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     else:
         directory, mpath = os.path.dirname(path), path
     raw = read_msgpack_file(
-        mpath, what="manifest", magic=MANIFEST_MAGIC, version_key="manifest_version",
-        version=MANIFEST_VERSION, limit=_MAX_MANIFEST, missing="no manifest: the checkpoint "
-        "is incomplete (not every rank's file was reported durable, or the save is still "
-        "running); latest_checkpoint() finds the newest complete one")
+        mpath, what="manifest", missing="no manifest: the checkpoint is incomplete (not every "
+        "rank's file was reported durable, or the save is still running); latest_checkpoint() "
+        "finds the newest complete one", **_MANIFEST_FORMAT)
+    return _manifest_from(raw, mpath, directory)
+
+
+def parse_manifest(data: bytes, mpath: str, directory: str) -> Manifest:
+    """A manifest from its bytes (a remote object ``mpath``); ``directory`` becomes its path."""
+    return _manifest_from(unpack_msgpack_map(data, mpath, what="manifest", **_MANIFEST_FORMAT),
+                          mpath, directory)
+
+
+def _manifest_from(raw: dict[str, Any], mpath: str, directory: str) -> Manifest:
+    """The checked :class:`Manifest` of a decoded manifest map."""
     try:
         ranks = [RankFile(**r) for r in raw["ranks"]]
         fields = {k: raw[k] for k in Manifest.__dataclass_fields__ if k in raw and k != "ranks"}
@@ -141,43 +156,52 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return m
 
 
-def _missing(m: Manifest) -> list[str]:
-    """What the manifest lists that is not on disk with the recorded size (cheap: stat only)."""
+def _missing(m: Manifest, size_of: Callable[[str], int | None] | None = None,
+             where: str | None = None) -> list[str]:
+    """What the manifest lists that is absent or not of the recorded size (cheap: no reads).
+    ``size_of(name)``: the size of a file of the step, None if absent (default: stat
+    in ``m.path``); ``where``: the step's name in the messages (default ``m.path``)."""
+    if size_of is None:
+        size_of = functools.partial(_stat_size, m.path)
+    where = m.path if where is None else where
     problems = []
 
-    def check(name: str, size: int) -> None:
-        p = os.path.join(m.path, name)
-        try:
-            actual = os.stat(p).st_size
-        except FileNotFoundError:
-            problems.append(f"{p}: missing")
-            return
-        if actual != size:
-            problems.append(f"{p}: {actual} bytes, the manifest says {size}")
+    def check(name: str, size: int | None) -> None:
+        actual = size_of(name)
+        if actual is None:
+            problems.append(f"{where}/{name}: missing")
+        elif size is not None and actual != size:
+            problems.append(f"{where}/{name}: {actual} bytes, the manifest says {size}")
 
     for r in m.ranks:
         check(r.file, r.size)
-        if not os.path.exists(meta_path(os.path.join(m.path, r.file))):
-            problems.append(f"{meta_path(os.path.join(m.path, r.file))}: missing")
+        check(meta_path(r.file), None)
         if r.optim is not None:
             check(r.optim["file"], r.optim["size"])
     return problems
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
-    """The newest complete ``step_<N>`` directory under ``directory``, or None.
+def _stat_size(directory: str, name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(directory, name)).st_size
+    except FileNotFoundError:
+        return None
 
-    Complete: its manifest decodes, names this step, and every file it lists
-    exists with the recorded size (sizes only; :func:`restore_distributed`
-    checks CRC-32s of what it loads). Directories without a manifest are
-    incomplete and skipped, whatever they hold.
-    """
+
+def step_number(name: str) -> int | None:
+    """N for a directory named ``step_<N>``, else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _latest_local(directory: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(step, path) of the newest complete ``step_<N>`` directory under ``directory``."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return None
-    steps = sorted(((int(m.group(1)), n) for n in names if (m := _STEP_RE.match(n))),
+    steps = sorted(((n, name) for name in names if (n := step_number(name)) is not None),
                    reverse=True)
     for step, name in steps:
         path = os.path.join(directory, name)
@@ -192,5 +216,5 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
         if problems:
             log.warning("%s has a manifest but is damaged; skipped: %s", path, "; ".join(problems))
             continue
-        return path
+        return step, path
     return None

@@ -100,7 +100,10 @@ def _globals(m: Manifest) -> dict[str, _Global]:
 
 
 class _PieceReader:
-    """Reads pieces by byte range, checking each against the manifest's size and CRC-32."""
+    """Reads pieces by byte range, checking each against the manifest's size and CRC-32.
+
+    Local rank files here; :class:`~snapsvc.distributed.tier.RemotePieces` reads a remote
+    step's by ranged GETs, all of a restore's at once (:meth:`prefetch`)."""
 
     def __init__(self, sizes: dict[str, int], verify: bool) -> None:
         self._sizes = sizes
@@ -126,14 +129,15 @@ class _PieceReader:
                                   path=path)
         return f
 
-    def read(self, g: _Global, p: _Piece) -> torch.Tensor:
-        shape = p.lengths
-        if math.prod(shape) == 0:
-            return torch.empty(shape, dtype=g.dtype)
+    def prefetch(self, wanted: list[tuple[_Global, list[int], list[int]]]) -> None:
+        """The blocks :meth:`assemble` will be asked for next (a remote reader
+        fetches their pieces in parallel; local files are read on demand)."""
+
+    def _bytes(self, g: _Global, p: _Piece) -> bytes | bytearray | memoryview:
+        """The piece's entry, header and data: ``p.end - p.offset`` bytes."""
         f = self._open(p.file)
         f.seek(p.offset)
-        head = f.read(p.data - p.offset)
-        data = bytearray(p.end - p.data)
+        data = bytearray(p.end - p.offset)
         view, got = memoryview(data), 0
         while got < len(data):
             k = f.readinto(view[got:])
@@ -141,24 +145,44 @@ class _PieceReader:
                 raise FormatError("truncated inside the entry", path=p.file, offset=p.offset,
                                   entry=g.name)
             got += k
-        self.bytes_read += len(head) + len(data)
+        return data
+
+    def read(self, g: _Global, p: _Piece) -> torch.Tensor:
+        shape = p.lengths
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=g.dtype)
+        entry = self._bytes(g, p)
+        if len(entry) != p.end - p.offset:
+            raise FormatError(f"{len(entry)} bytes of the entry, {p.end - p.offset} wanted",
+                              path=p.file, offset=p.offset, entry=g.name)
+        self.bytes_read += len(entry)
         if self._verify:
-            crc = isal_zlib.crc32(data, isal_zlib.crc32(head))
-            if len(head) != p.data - p.offset or crc != p.crc32:
+            crc = isal_zlib.crc32(entry)
+            if crc != p.crc32:
                 raise FormatError(f"CRC-32 {crc:08x} of the entry, the manifest says "
                                   f"{p.crc32:08x}: the file changed after the checkpoint was "
                                   "committed", path=p.file, offset=p.offset, entry=g.name)
-        return torch.frombuffer(data, dtype=g.dtype).view(shape)
+        buf = entry if isinstance(entry, bytearray) else bytearray(entry)  # torch wants it writable
+        return torch.frombuffer(buf, dtype=g.dtype, offset=p.data - p.offset,
+                                count=math.prod(shape)).view(shape)
+
+    @staticmethod
+    def overlapping(g: _Global, offsets: list[int], lengths: list[int]
+                    ) -> list[tuple[_Piece, list[int], list[int]]]:
+        """The pieces of ``g`` that overlap the block, each with the overlap's bounds."""
+        out = []
+        for p in g.pieces:
+            lo = [max(a, b) for a, b in zip(offsets, p.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, p.offsets, p.lengths)]
+            if not any(h <= lo_ for lo_, h in zip(lo, hi)):
+                out.append((p, lo, hi))
+        return out
 
     def assemble(self, g: _Global, offsets: list[int], lengths: list[int]) -> torch.Tensor:
         """The block of ``g`` at ``offsets``/``lengths``, from the pieces overlapping it only."""
         out = torch.empty(lengths, dtype=g.dtype)
         covered = 0
-        for p in g.pieces:
-            lo = [max(a, b) for a, b in zip(offsets, p.offsets)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, p.offsets, p.lengths)]
-            if any(h <= lo_ for lo_, h in zip(lo, hi)):
-                continue
+        for p, lo, hi in self.overlapping(g, offsets, lengths):
             src = self.read(g, p)[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
             covered += math.prod(b - a for a, b in zip(lo, hi))

@@ -25,9 +25,9 @@ from ..state.resume import optimizer_state_dict, restore
 from ..state.readback import rebuild, restore_tree
 from ..state.tree import param_names, path_name
 from .coord import _rank_and_world
-from .manifest import Manifest, read_manifest
 from .shards import _dtensor_type, _is_dtensor
-from .pieces import _PieceReader, _globals, _region, _sizes, _user_extra
+from .pieces import _PieceReader, _globals, _region, _user_extra
+from .tier import LocalStep, open_step
 
 __all__ = ["restore_distributed"]
 
@@ -44,9 +44,11 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
     verify)``: a checkpoint submitted as a state mapping, into a mapping of
     live objects, as :func:`snapsvc.restore` does (see :func:`_restore_state`).
 
-    ``path`` is a ``step_<N>`` directory (as :func:`latest_checkpoint`
-    returns). Local: no collective is run; a rank that raises should stop
-    the job. Nothing in the model or optimizer changes unless every check
+    ``path`` is a ``step_<N>`` directory or a remote step's URL
+    (``s3://bucket/run/step_<N>``; as :func:`latest_checkpoint` returns): from
+    the remote tier, each rank fetches its own files, or for a sharded
+    checkpoint the byte ranges it needs, with the same checks. Local: no
+    collective is run; a rank that raises should stop the job. Nothing in the model or optimizer changes unless every check
     passes. The report's ``epoch``, ``metrics`` and ``extra`` are this rank's
     (rank 0's for a rank the checkpoint did not have).
 
@@ -65,7 +67,8 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
     :func:`snapsvc.restore` loads the file, checking both while it reads
     (always: ``verify`` applies to the sharded path's ranged reads).
     """
-    m = read_manifest(path)
+    step = open_step(path)
+    m = step.manifest
     if isinstance(model, Mapping):   # (path, state_mapping, process_group): the third is the group
         if isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("restore_distributed(path, state_mapping) takes optimizers inside "
@@ -74,10 +77,10 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
             raise TypeError("restore_distributed(path, state_mapping, process_group) takes "
                             "one process group")
         rank, _ = _rank_and_world(process_group if optimizer is None else optimizer)
-        return _restore_state(m, model, rank, strict, verify)
+        return _restore_state(step, model, rank, strict, verify)
     rank, world = _rank_and_world(process_group)
     if m.sharded is not None:
-        return _restore_sharded(m, model, optimizer, rank, strict, verify)
+        return _restore_sharded(step, model, optimizer, rank, strict, verify)
     if m.world_size != world:
         raise WorldSizeMismatchError(
             f"{m.path}: checkpoint was saved by {m.world_size} ranks but the current world size "
@@ -85,35 +88,39 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
             "rank by rank from its own file",
             saved=m.world_size, current=world)
     entry = m.ranks[rank]
-    file = os.path.join(m.path, entry.file)
-    # restore() reads each file once, checking it against its .meta; the .meta
-    # must record what the manifest committed, so the file is the committed one.
-    meta = read_meta(file)
-    records = [(file, (meta.size, meta.crc32), (entry.size, entry.crc32))]
-    if optimizer is not None and entry.optim is not None:
-        saved = meta.optimizer or {}
-        records.append((os.path.join(m.path, entry.optim["file"]),
-                        (saved.get("size"), saved.get("crc32")),
-                        (entry.optim["size"], entry.optim["crc32"])))
-    for p, in_meta, in_manifest in records:
-        if in_meta != in_manifest:
-            raise FormatError(f"its metadata records size {in_meta[0]} and CRC-32 {in_meta[1]}, "
-                              f"the manifest {in_manifest[0]} and {in_manifest[1]}: the file "
-                              "changed after the checkpoint was committed", path=p)
-    return restore(file, model, optimizer, strict=strict)
+    with step.rank_file(entry.file) as file:
+        # restore() reads each file once, checking it against its .meta; the .meta
+        # must record what the manifest committed, so the file is the committed one.
+        meta = read_meta(file)
+        records = [(file, (meta.size, meta.crc32), (entry.size, entry.crc32))]
+        if optimizer is not None and entry.optim is not None:
+            saved = meta.optimizer or {}
+            records.append((os.path.join(os.path.dirname(file), entry.optim["file"]),
+                            (saved.get("size"), saved.get("crc32")),
+                            (entry.optim["size"], entry.optim["crc32"])))
+        for p, in_meta, in_manifest in records:
+            if in_meta != in_manifest:
+                raise FormatError(f"its metadata records size {in_meta[0]} and CRC-32 "
+                                  f"{in_meta[1]}, the manifest {in_manifest[0]} and "
+                                  f"{in_manifest[1]}: the file changed after the checkpoint "
+                                  "was committed", path=p)
+        return restore(file, model, optimizer, strict=strict)
 
 
-def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     rank: int, strict: bool, verify: bool) -> LoadReport:
+def _restore_sharded(step: LocalStep, model: nn.Module,
+                     optimizer: torch.optim.Optimizer | None, rank: int, strict: bool,
+                     verify: bool) -> LoadReport:
+    m = step.manifest
     saved = _globals(m)
     # read before anything changes: a corrupt metadata file must leave the model as it was
-    meta = read_meta(os.path.join(m.path, m.ranks[min(rank, m.world_size - 1)].file))
+    meta = step.meta(m.ranks[min(rank, m.world_size - 1)].file)
     report = LoadReport()
     model_kinds = ("param", "buffer")
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     optim_tensors: dict[str, torch.Tensor] = {}
     named = dict(model.named_parameters())
-    with _PieceReader(_sizes(m), verify) as reader:
+    with step.pieces(verify) as reader:
+        wanted: list[tuple[torch.Tensor, Any, tuple[list[int], list[int]]]] = []
         for name, t in model_tensors(model):
             g = saved.get(name)
             if g is None or g.kind not in model_kinds:
@@ -125,7 +132,7 @@ def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optim
             report.loaded.append(name)
             region = _region(t)
             if region is not None:
-                copies.append((t, reader.assemble(g, *region)))
+                wanted.append((t, g, region))
         have = set(report.loaded) | set(report.missing)
         report.skipped = [n for n, g in saved.items() if g.kind in model_kinds and n not in have]
         if strict and (report.skipped or report.missing):
@@ -133,26 +140,28 @@ def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optim
                 f"{m.path}: strict load: {len(report.skipped)} entries not in the model "
                 f"{report.skipped[:5]}, {len(report.missing)} model tensors not in the checkpoint "
                 f"{report.missing[:5]}; pass strict=False to load the overlap")
+        reader.prefetch([(g, *region) for _, g, region in wanted])
+        copies.extend((t, reader.assemble(g, *region)) for t, g, region in wanted)
         optim_sd = None
         if optimizer is not None:
             info = (m.sharded or {}).get("optimizer")
             if not info:
                 raise FormatError("no optimizer state was saved with this checkpoint "
                                   "(submit(..., optimizer=opt) saves it)", path=m.path)
-            for name, g in saved.items():
-                if g.kind != "optim":
+            states = [(name, g, named.get(name.rpartition(":")[0])) for name, g in saved.items()
+                      if g.kind == "optim"]
+            blocks = [(name, g, p, _optim_region(p, g)) for name, g, p in states]
+            reader.prefetch([(g, *region) for _, g, _, region in blocks if region is not None])
+            for name, g, p, region in blocks:
+                if region is None:
                     continue
-                p = named.get(name.rpartition(":")[0])
                 if p is not None and _is_dtensor(p) and list(p.shape) == g.shape:
-                    region = _region(p)   # shaped like its parameter: sharded like it
-                    if region is None:
-                        continue
                     local = reader.assemble(g, *region).to(p.to_local().device)
                     optim_tensors[name] = _dtensor_type().from_local(
                         local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                         stride=p.stride())
                 else:
-                    optim_tensors[name] = reader.assemble(g, [0] * len(g.shape), g.shape)
+                    optim_tensors[name] = reader.assemble(g, *region)
             optim_sd = optimizer_state_dict(optimizer, model, optim_tensors, info, m.path)
     with torch.no_grad():   # in place: the optimizer keeps its references
         for dst, src in copies:
@@ -164,7 +173,15 @@ def _restore_sharded(m: Manifest, model: nn.Module, optimizer: torch.optim.Optim
     return report
 
 
-def _restore_state(m: Manifest, target: Mapping, rank: int, strict: bool,
+def _optim_region(p: torch.Tensor | None, g: Any) -> tuple[list[int], list[int]] | None:
+    """The block of optimizer state ``g`` to read for its parameter ``p``: a state shaped
+    like a sharded parameter is sharded like it (None: this rank holds none of it)."""
+    if p is not None and _is_dtensor(p) and list(p.shape) == g.shape:
+        return _region(p)
+    return [0] * len(g.shape), g.shape
+
+
+def _restore_state(step: LocalStep, target: Mapping, rank: int, strict: bool,
                    verify: bool) -> LoadReport:
     """A state checkpoint into a mapping of live objects, at any world size.
 
@@ -178,11 +195,12 @@ def _restore_state(m: Manifest, target: Mapping, rank: int, strict: bool,
     parameters may be sharded differently, or listed in another order.
     Then :func:`snapsvc.state.readback.restore_tree` checks it all and applies it.
     """
+    m = step.manifest
     info = (m.sharded or {}).get("state")
     if info is None:
         raise FormatError("not saved from a state mapping (it was submit(model, step)): use "
                           "restore_distributed(path, model, optimizer)", path=m.path)
-    meta = read_meta(os.path.join(m.path, m.ranks[0].file))
+    meta = step.meta(m.ranks[0].file)
     if meta.state is None:
         raise FormatError("rank 0's metadata holds no state tree", path=m.path)
     if rank in info.get("differs", ()):
@@ -197,22 +215,28 @@ def _restore_state(m: Manifest, target: Mapping, rank: int, strict: bool,
         raise FormatError(f"entries {unknown[:3]} are not in rank 0's state tree: the "
                           "metadata does not belong to this checkpoint", path=m.path)
     entries: dict[str, torch.Tensor] = {}
-    with _PieceReader(_sizes(m), verify) as reader:
-        for name in resolve.names & set(saved):
+    with step.pieces(verify) as reader:
+        names = sorted(resolve.names & set(saved))
+        reader.prefetch([(saved[n], *_wanted(saved[n], resolve.targets.get(n))) for n in names])
+        for name in names:
             entries[name] = _read_for(reader, saved[name], resolve.targets.get(name))
     full, _ = rebuild(tree, entries, m.path)
     return restore_tree(m.path, meta, full, target, strict=strict)
 
 
+def _wanted(g: Any, live: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """The block of saved tensor ``g`` that :func:`_read_for` reads for ``live``."""
+    if live is None or not _is_dtensor(live) or list(live.shape) != g.shape:
+        return [0] * len(g.shape), g.shape
+    # None: this rank is not in the tensor's mesh, it holds nothing of it
+    return _region(live) or ([0] * len(g.shape), [0] * len(g.shape))
+
+
 def _read_for(reader: _PieceReader, g: Any, live: torch.Tensor | None) -> torch.Tensor:
     """Saved tensor ``g`` read for ``live``: as a DTensor like it, else whole."""
+    local = reader.assemble(g, *_wanted(g, live))
     if live is None or not _is_dtensor(live) or list(live.shape) != g.shape:
-        return reader.assemble(g, [0] * len(g.shape), g.shape)
-    region = _region(live)
-    if region is None:   # this rank is not in the tensor's mesh: it holds nothing of it
-        local = torch.empty([0] * len(g.shape), dtype=g.dtype)
-    else:
-        local = reader.assemble(g, *region)
+        return local
     return _dtensor_type().from_local(local.to(live.to_local().device), live.device_mesh,
                                       live.placements, run_check=False, shape=live.shape,
                                       stride=live.stride())

@@ -56,11 +56,13 @@ from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..format import protocol
 from ..state.tree import check_plain, outline
+from ..remote.store import check_remote
 from .commit import Coordinator
-from .coord import _new_group, _rank_and_world
+from .coord import _all_gather_msg, _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
 from .shards import SHARDS_KEY, _holds_dtensor, _is_sharded, _shard_plan, _state_plan
+from .uploads import Uploads, upload_wait
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport"]
 
@@ -90,6 +92,18 @@ class DistributedSnapshotWriter:
     ``restart``, ``overlap``, ``fault_hook``, ...); ``keep_last`` is refused
     (it prunes per directory, and every step has its own).
 
+    ``remote``: a second tier, a URL (``s3://bucket/prefix``, ``gs://``,
+    ``az://``) or a mounted directory, the same on every rank. Each rank's
+    sidecar uploads its own files of each committed step to the same path
+    under ``remote`` (``.meta`` last, as :class:`SnapshotWriter` does), and
+    rank 0 writes the step's remote manifest only after every rank's upload
+    committed (see :mod:`.uploads`); ``handle.uploaded()`` then returns the
+    step's remote URL on every rank. ``remote_keep_last``: the number of
+    complete steps kept on the remote tier (older ones lose their manifest
+    first, then their files); ``remote_timeout`` bounds each rank's upload of
+    a step, and how long :meth:`close` waits for uploads; ``remote_options``
+    go to the storage engine.
+
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
     """
@@ -97,6 +111,9 @@ class DistributedSnapshotWriter:
     def __init__(self, directory: str | os.PathLike[str], process_group: Any = None, *,
                  coord_timeout: float = 300.0, write_timeout: float | None = None,
                  compressed: bool = False, drain_timeout: float = 60.0,
+                 remote: str | os.PathLike[str] | None = None,
+                 remote_keep_last: int | None = None, remote_timeout: float = 300.0,
+                 remote_options: Mapping[str, Any] | None = None,
                  **writer_options: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DistributedSnapshotWriter needs torch.distributed initialized "
@@ -113,12 +130,39 @@ class DistributedSnapshotWriter:
         self.write_timeout = float(write_timeout if write_timeout is not None else coord_timeout)
         self.compressed = compressed
         self.drain_timeout = drain_timeout
+        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout)
         os.makedirs(self.directory, exist_ok=True)
         self._group = _new_group(process_group, self.coord_timeout)
         self._root = dist.get_global_rank(self._group, 0)
-        self._writer = SnapshotWriter(self.directory, **writer_options)
+        # every rank must agree: the remote tier adds a collective (a group) and exchanges
+        remotes = _all_gather_msg(self.remote is not None, self.world_size, self._group)
+        if len(set(remotes)) > 1:
+            dist.destroy_process_group(self._group)
+            raise ValueError(f"remote= is set on ranks {[r for r, on in enumerate(remotes) if on]}"
+                             " only: pass the same remote on every rank")
+        # remote_keep_last is not the per-rank writer's: its series rule would take
+        # rank0.fdl and rank1.fdl of one step for one series; Uploads rotates whole steps
+        self._writer = SnapshotWriter(self.directory, remote=self.remote,
+                                      remote_timeout=remote_timeout,
+                                      remote_options=remote_options, **writer_options)
+        self._uploads: Uploads | None = None
+        if self.remote is not None:
+            # A rank's sidecar must not upload at its start what it finds in the shared
+            # directory: the other ranks' files are there too (their sidecars upload them).
+            # It deletes the step's remote manifest before its files: a step saved again
+            # (a run resumed from an earlier one) is never complete over other bytes.
+            self._writer._life.options.update(remote_scan=False,
+                                              remote_uncommit=(MANIFEST_NAME,))
+            self._upload_group = _new_group(process_group,
+                                            self.coord_timeout + upload_wait(remote_timeout))
+            self._uploads = Uploads(self.remote, self.directory, self._upload_group,
+                                    dist.get_global_rank(self._upload_group, 0), self.rank,
+                                    self.world_size, remote_timeout=remote_timeout,
+                                    remote_options=dict(remote_options or {}),
+                                    keep_last=remote_keep_last)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
-                                  self.world_size, self.coord_timeout, self.write_timeout)
+                                  self.world_size, self.coord_timeout, self.write_timeout,
+                                  on_commit=None if self._uploads is None else self._uploads.add)
         self._started = False
         self._closed = False
 
@@ -146,6 +190,8 @@ class DistributedSnapshotWriter:
         if not self._started:
             self._writer.start()
             self._coord.start()
+            if self._uploads is not None:
+                self._uploads.start()
             self._started = True
             _live.add(self)
         return self
@@ -157,6 +203,9 @@ class DistributedSnapshotWriter:
         coordinator). Each queued checkpoint is bounded by ``write_timeout``
         plus two exchanges of ``coord_timeout``; with ``timeout``, the
         handles still pending after it fail and the sidecar is stopped.
+        With ``remote``, the sidecar then gives uploads up to ``remote_timeout``
+        and the ranks agree on each step's remote commit; a step not committed
+        remotely fails its ``uploaded()``.
         """
         if self._closed:
             return
@@ -165,12 +214,17 @@ class DistributedSnapshotWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         ended = self._coord.stop(timeout)
         left = None if deadline is None else max(0.1, deadline - time.monotonic())
-        self._writer.close(left)
-        if ended:
+        self._writer.close(left)   # the sidecar settles every upload before it exits
+        groups = [self._group] if ended else []
+        if self._uploads is not None:
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            if self._uploads.stop(left) and ended:
+                groups.append(self._upload_group)
+        for group in groups:
             try:
-                dist.destroy_process_group(self._group)
+                dist.destroy_process_group(group)
             except Exception as e:  # the world may be gone already; the group with it
-                log.debug("destroying the coordination group: %s", e)
+                log.debug("destroying a coordination group: %s", e)
 
     finish = close
 
@@ -263,7 +317,8 @@ class DistributedSnapshotWriter:
 
     def stats(self) -> dict[str, Any]:
         """Counts of checkpoints, and this rank's SnapshotWriter figures under ``"writer"``."""
-        return {**self._coord.counts, "broken": self._coord.broken is not None,
+        uploads = {} if self._uploads is None else dict(self._uploads.counts)
+        return {**self._coord.counts, **uploads, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
 
 

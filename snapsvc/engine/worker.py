@@ -321,6 +321,9 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     if options.get("remote") is not None:
         remote = {k: options[k] for k in ("remote", "directory", "remote_keep_last",
                                           "remote_timeout", "remote_options")}
+        # a rank of DistributedSnapshotWriter: no scan at start, its step's manifest uncommitted
+        remote["remote_scan"] = options.get("remote_scan", True)
+        remote["remote_uncommit"] = options.get("remote_uncommit", ())
 
     def files() -> Any:
         init_package()

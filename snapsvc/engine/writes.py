@@ -78,7 +78,8 @@ class Files:
             self.uploader = Uploader(
                 remote["remote"], remote["directory"], remote_timeout=self.remote_timeout,
                 options=remote["remote_options"], keep_last=remote["remote_keep_last"],
-                on_done=self._uploaded, files_lock=self.lock)
+                on_done=self._uploaded, files_lock=self.lock, scan=remote["remote_scan"],
+                uncommit=remote["remote_uncommit"])
 
     def _uploaded(self, job: UploadJob, url: str | None, error: str | None,
                   skipped: bool) -> None:

@@ -30,7 +30,7 @@ from .checkpoint import FileStats, stage_checkpoint_file
 from .durable import DurableFile, commit, discard, staged_write
 
 __all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "optim_path", "stage_meta", "write_with_meta",
-           "read_meta", "read_msgpack_file"]
+           "read_meta", "parse_meta", "read_msgpack_file", "unpack_msgpack_map"]
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
@@ -151,6 +151,15 @@ def read_msgpack_file(path: str, *, what: str, magic: str, version_key: str,
             data = f.read(limit + 1)
     except FileNotFoundError:
         raise FormatError(missing, path=path) from None
+    return unpack_msgpack_map(data, path, what=what, magic=magic, version_key=version_key,
+                              version=version, limit=limit)
+
+
+def unpack_msgpack_map(data: bytes, path: str, *, what: str, magic: str, version_key: str,
+                       version: int | tuple[int, ...], limit: int = MAX_METADATA
+                       ) -> dict[str, Any]:
+    """:func:`read_msgpack_file`'s checks on bytes already read (from a remote
+    object named ``path``)."""
     if len(data) > limit:
         raise FormatError(f"{what} is larger than {limit} bytes", path=path)
     try:
@@ -178,6 +187,17 @@ def read_meta(checkpoint: str | os.PathLike[str]) -> Meta:
         path, what="metadata", magic=META_MAGIC, version_key="meta_version",
         version=_READS, missing="no metadata file: the checkpoint is an unfinished "
         "write, or was not written by snapsvc (read_checkpoint reads its entries)")
+    return _meta_from(raw, path)
+
+
+def parse_meta(data: bytes, path: str) -> Meta:
+    """:func:`read_meta` of metadata bytes already read (a remote ``.meta`` object ``path``)."""
+    return _meta_from(unpack_msgpack_map(data, path, what="metadata", magic=META_MAGIC,
+                                         version_key="meta_version", version=_READS), path)
+
+
+def _meta_from(raw: dict[str, Any], path: str) -> Meta:
+    """The checked :class:`Meta` of a decoded metadata map."""
     if raw["meta_version"] >= 2:  # the fields, packed, under their own CRC-32
         packed = raw.get("fields")
         if type(packed) is not bytes or raw.get("crc32") != isal_zlib.crc32(packed):

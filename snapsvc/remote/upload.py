@@ -6,7 +6,7 @@ never wait behind an upload.
 
 Order and commit. For one checkpoint: the remote ``.meta`` of that name is
 deleted first (an overwrite of ``best.fdl`` never leaves a ``.meta`` next to
-other bytes), the data files go up (in parallel, multipart above
+other bytes; with ``uncommit``, a multi-rank step's manifest too), the data files go up (in parallel, multipart above
 :data:`~snapsvc.remote.store.PART`), each checked on the way against the
 size and CRC-32 the local metadata records, and the ``.meta`` goes last: a
 remote checkpoint is complete exactly when its ``.meta`` exists.
@@ -25,9 +25,11 @@ then the checkpoint is reported failed and the queue goes on. A local file
 that does not match its metadata is not retried (it never will).
 
 Restart. At start, unfinished uploads a dead writer left are aborted
-(:meth:`~snapsvc.remote.store.Store.abort_stale_uploads`), and every
-checkpoint under the local directory that is complete locally but not
-remotely (no remote ``.meta``, or one with other bytes) is queued.
+(:meth:`~snapsvc.remote.store.Store.abort_stale_uploads`), and (unless
+``scan=False``: a rank of a multi-rank writer, whose directory also holds the
+other ranks' files) every checkpoint under the local directory that is
+complete locally but not remotely (no remote ``.meta``, or one with other
+bytes) is queued.
 
 Retention (``keep_last``): after each upload, the remote checkpoints of the
 same series (names in one folder that differ only in digits, as for the local
@@ -96,8 +98,13 @@ class Uploader:
     def __init__(self, location: str, directory: str, *, remote_timeout: float,
                  options: dict[str, Any] | None, keep_last: int | None,
                  on_done: Callback, files_lock: threading.Lock | None = None,
-                 backlog: int = BACKLOG) -> None:
+                 backlog: int = BACKLOG, scan: bool = True,
+                 uncommit: tuple[str, ...] = ()) -> None:
         self.location = location
+        self.scan = scan  # queue at start what the directory holds and the remote lacks
+        # names in a checkpoint's folder that vouch for it too (a multi-rank step's
+        # manifest): deleted with its .meta, before any data
+        self.uncommit = tuple(uncommit)
         self.directory = os.path.abspath(directory)
         self.remote_timeout = remote_timeout
         self.options = dict(options or {})
@@ -266,6 +273,8 @@ class Uploader:
             aborted = await asyncio.wait_for(store.abort_stale_uploads(), self.remote_timeout)
             if aborted:
                 log.info("aborted %d unfinished upload(s) under %s", aborted, store.url)
+            if not self.scan:
+                return
             remote = {o.key: o.size for o in await asyncio.wait_for(store.list(),
                                                                      self.remote_timeout)}
             todo = []
@@ -336,6 +345,9 @@ class Uploader:
         with self._mutex:
             self._forget(job)
         try:
+            folder = job.key.rpartition("/")[0]
+            for name in self.uncommit:
+                await store.delete(f"{folder}/{name}".lstrip("/"))
             await store.delete(job.key + META_SUFFIX)  # uncommit an older copy of this name
             await asyncio.gather(*(store.put(k, f, size=s, crc32=c) for k, f, s, c in files))
             await store.put(job.key + META_SUFFIX, io.BytesIO(meta_bytes))  # last: the commit

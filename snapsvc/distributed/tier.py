@@ -1,0 +1,231 @@
+"""Both tiers of multi-rank checkpoints: ``latest_checkpoint`` and a step read from either.
+
+The remote tier (``DistributedSnapshotWriter(remote=...)``) holds the local
+layout under its root: ``step_<N>/rank<r>.fdl``, ``.meta``, ``.optim.fdl``
+(each rank's sidecar uploads its own, ``.meta`` last), and
+``step_<N>/manifest.msgpack``, written by rank 0 only after every rank's
+upload committed. A remote step is complete exactly as a local one is: its
+manifest decodes and names step N, and every file it lists, each rank's
+``.meta`` included, exists with the recorded size (one listing; no data read).
+
+A directory remote (a Lustre or NFS mount) is read as a local directory;
+an object store (``s3://``, ``gs://``, ``az://``) through
+:mod:`snapsvc.remote.store`, each rank fetching only the byte ranges it needs
+(:class:`RemotePieces`), or its own files (:meth:`RemoteStep.rank_file`), each
+checked against its recorded size and CRC-32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Iterator
+
+from ..errors import FormatError
+from ..files.meta import META_SUFFIX, Meta, parse_meta, read_meta
+from ..remote.fetch import fetched, run_sync
+from ..remote.store import Store, StoredObject, is_url, open_store, scrub, split_url
+from .manifest import MANIFEST_NAME, Manifest, _latest_local, _missing, parse_manifest, \
+    read_manifest, step_number
+from .pieces import _Global, _Piece, _PieceReader, _sizes
+
+__all__ = ["latest_checkpoint", "open_step", "LocalStep", "RemoteStep", "RemotePieces",
+           "remote_complete_steps"]
+
+log = logging.getLogger("snapsvc")
+
+_READS_IN_FLIGHT = 8
+
+
+def latest_checkpoint(directory: str | os.PathLike[str],
+                      remote: str | os.PathLike[str] | None = None) -> str | None:
+    """The newest step complete on either tier, or None.
+
+    ``directory``'s newest complete ``step_<N>`` (its path) unless ``remote``
+    (a URL or a mounted directory, as given to ``DistributedSnapshotWriter``)
+    holds a newer complete one: then that step's URL (or path). Complete: its
+    manifest decodes, names this step, and every file it lists exists with the
+    recorded size (sizes only; :func:`restore_distributed` checks CRC-32s of
+    what it loads). Steps without a manifest are incomplete and skipped,
+    whatever they hold. An unreachable remote is an ``OSError``.
+    """
+    local = _latest_local(directory)
+    if remote is None:
+        return None if local is None else local[1]
+    if is_url(remote):
+        far = _newest_remote(str(remote), None if local is None else local[0])
+    else:
+        far = _latest_local(remote)
+    if far is not None and (local is None or far[0] > local[0]):
+        return far[1]
+    return None if local is None else local[1]
+
+
+async def remote_complete_steps(store: Store, *, objects: list[StoredObject] | None = None,
+                                above: int | None = None, enough: int | None = None
+                                ) -> list[tuple[int, Manifest]]:
+    """The complete steps under ``store``'s root, newest first, with their manifests:
+    those above step ``above`` only, and no more than ``enough``. ``objects``: the
+    root's listing, when the caller has it."""
+    steps: dict[int, dict[str, int]] = defaultdict(dict)
+    for o in await store.list() if objects is None else objects:
+        head, _, name = o.key.partition("/")
+        n = step_number(head)
+        if n is not None and name and "/" not in name:
+            steps[n][name] = o.size
+    out: list[tuple[int, Manifest]] = []
+    for n in sorted(steps, reverse=True):
+        if (above is not None and n <= above) or (enough is not None and len(out) >= enough):
+            break
+        files = steps[n]
+        if MANIFEST_NAME not in files:
+            continue
+        url = store.key_url(f"step_{n}")
+        data = await store.get(f"step_{n}/{MANIFEST_NAME}")
+        if data is None:  # deleted since the listing
+            continue
+        try:
+            m = parse_manifest(data, f"{url}/{MANIFEST_NAME}", url)
+        except FormatError as e:
+            log.warning("%s: unreadable manifest; skipped: %s", url, e.reason)
+            continue
+        if m.step != n:
+            log.warning("%s: manifest says step %d; skipped", url, m.step)
+            continue
+        problems = _missing(m, files.get, url)
+        if problems:
+            log.warning("%s has a manifest but is damaged; skipped: %s", url,
+                        "; ".join(problems))
+            continue
+        out.append((n, m))
+    return out
+
+
+def _newest_remote(url: str, above: int | None) -> tuple[int, str] | None:
+    store = open_store(url)
+    try:
+        found = run_sync(remote_complete_steps(store, above=above, enough=1))
+    except (FormatError, OSError):
+        raise
+    except Exception as e:  # the engine's errors: say where, never a credential
+        raise OSError(scrub(f"listing {url} failed: {type(e).__name__}: {e}").splitlines()[0]
+                      ) from None
+    return (found[0][0], found[0][1].path) if found else None
+
+
+# -- one step, from either tier --------------------------------------------------------
+class LocalStep:
+    """A complete step directory: its manifest, metadata, rank files and pieces."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+
+    def meta(self, name: str) -> Meta:
+        return read_meta(os.path.join(self.manifest.path, name))
+
+    def pieces(self, verify: bool) -> _PieceReader:
+        return _PieceReader(_sizes(self.manifest), verify)
+
+    @contextlib.contextmanager
+    def rank_file(self, name: str) -> Iterator[str]:
+        """The path of the rank file ``name`` (with its ``.meta`` and optimizer file)."""
+        yield os.path.join(self.manifest.path, name)
+
+
+class RemoteStep(LocalStep):
+    """A committed step on an object store (``url`` is its ``step_<N>``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.store = open_store(self.url)
+        mpath = f"{self.url}/{MANIFEST_NAME}"
+        data = self._run(self.store.get(MANIFEST_NAME), self.url)
+        if data is None:
+            raise FormatError("no manifest on the remote tier: the checkpoint is incomplete "
+                              "(not every rank's upload committed); latest_checkpoint(directory, "
+                              "remote=...) finds the newest complete one", path=mpath)
+        super().__init__(parse_manifest(data, mpath, self.url))
+
+    @staticmethod
+    def _run(coro: Any, url: str) -> Any:
+        try:
+            return run_sync(coro)
+        except (FormatError, OSError):
+            raise
+        except Exception as e:  # the engine's errors
+            raise OSError(scrub(f"reading {url} failed: {type(e).__name__}: {e}"
+                                ).splitlines()[0]) from None
+
+    def meta(self, name: str) -> Meta:
+        url = f"{self.url}/{name}{META_SUFFIX}"
+        data = self._run(self.store.get(name + META_SUFFIX), url)
+        if data is None:
+            raise FormatError("no metadata on the remote tier although the manifest lists "
+                              "its file: the step was deleted in part", path=url)
+        return parse_meta(data, url)
+
+    def pieces(self, verify: bool) -> _PieceReader:
+        return RemotePieces(_sizes(self.manifest), verify, self)
+
+    @contextlib.contextmanager
+    def rank_file(self, name: str) -> Iterator[str]:
+        """A checked local copy of the rank file ``name`` and its optimizer file,
+        for the ``with``; a reader's FormatError about it names the URL."""
+        with fetched(f"{self.url}/{name}") as local:
+            yield local
+
+
+class RemotePieces(_PieceReader):
+    """Pieces of a remote step's rank files, fetched by ranged reads, in parallel."""
+
+    def __init__(self, sizes: dict[str, int], verify: bool, step: RemoteStep) -> None:
+        super().__init__(sizes, verify)
+        self._step = step
+        self._cache: dict[tuple[str, int], memoryview] = {}
+        self._sized: set[str] = set()
+
+    def _key(self, file: str) -> str:
+        return split_url(file)[1]
+
+    def prefetch(self, wanted: list[tuple[_Global, list[int], list[int]]]) -> None:
+        pieces = {(p.file, p.offset): p for g, o, n in wanted
+                  for p, _, _ in self.overlapping(g, o, n)
+                  if all(p.lengths) and (p.file, p.offset) not in self._cache}
+        if pieces:
+            self._step._run(self._fetch(list(pieces.values())), self._step.url)
+
+    async def _fetch(self, pieces: list[_Piece]) -> None:
+        store = self._step.store
+        files = sorted({p.file for p in pieces} - self._sized)
+        sizes = await asyncio.gather(*(store.size(self._key(f)) for f in files))
+        for f, actual in zip(files, sizes):
+            if actual is None:
+                raise FormatError("missing on the remote tier although the manifest lists it; "
+                                  "the step was deleted in part", path=f)
+            if actual != self._sizes[f]:
+                raise FormatError(f"{actual} bytes, the manifest says {self._sizes[f]}: "
+                                  "truncated, or not the file the manifest committed", path=f)
+            self._sized.add(f)
+        gate = asyncio.Semaphore(_READS_IN_FLIGHT)
+
+        async def one(p: _Piece) -> None:
+            async with gate:
+                self._cache[(p.file, p.offset)] = await store.get_range(
+                    self._key(p.file), p.offset, p.end)
+
+        await asyncio.gather(*(one(p) for p in pieces))
+
+    def _bytes(self, g: _Global, p: _Piece) -> memoryview:
+        if (p.file, p.offset) not in self._cache:  # not announced: fetched alone
+            self.prefetch([(g, p.offsets, p.lengths)])
+        return self._cache.pop((p.file, p.offset))
+
+
+def open_step(path: str | os.PathLike[str]) -> LocalStep:
+    """The step ``path``: a local ``step_<N>`` directory, or a step's URL on an object store."""
+    if is_url(path):
+        return RemoteStep(str(path))
+    return LocalStep(read_manifest(path))

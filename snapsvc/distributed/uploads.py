@@ -1,0 +1,238 @@
+"""The remote tier of a multi-rank writer: this rank's thread that commits each step remotely.
+
+Each rank's sidecar uploads its own files as a single-process writer does
+(:class:`snapsvc.remote.upload.Uploader`: the rank file and optimizer file
+checked against their ``.meta`` on the way, ``.meta`` last). Then, per step
+committed locally, in commit order, on a thread and a gloo group of their own
+(so that a slow upload never delays the local commits of later steps)::
+
+    wait for this rank's upload (its WriteHandle.uploaded())
+    all_gather (ok | reason)                                  [upload group]
+    rank 0: if every rank's upload committed, and the step's remote listing has
+            every file the manifest lists with its recorded size:
+            put step_N/manifest.msgpack (the local manifest's bytes), last
+            then remote_keep_last: older complete steps lose their manifest
+            first, then their other objects
+    broadcast (step URL | None, reason) from rank 0            [upload group]
+    resolve uploaded() on every rank: the step's URL, or UploadError
+
+No rank's training loop waits on any of it: ``submit()`` only queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+from ..errors import UploadError
+from ..files.meta import META_SUFFIX
+from ..remote.fetch import run_sync
+from ..remote.store import Store, open_store, scrub
+from ..remote.upload import BACKLOG
+from .coord import _all_gather_msg, _broadcast_msg, _reason
+from .handles import DistributedWriteHandle
+from .manifest import MANIFEST_NAME, _missing, read_manifest, step_number
+from .tier import remote_complete_steps
+
+__all__ = ["Uploads", "upload_wait"]
+
+log = logging.getLogger("snapsvc")
+
+
+def upload_wait(remote_timeout: float) -> float:
+    """How long a rank waits for its own upload: the sidecar's uploader gives each
+    ``remote_timeout``, newest first, and skips a checkpoint once ``BACKLOG``
+    newer ones are queued, so an upload is decided within this."""
+    return remote_timeout * (BACKLOG + 2)
+
+
+class Uploads:
+    """The upload exchanges of one rank (see the module docstring)."""
+
+    def __init__(self, remote: str, directory: str, group: Any, root: int, rank: int,
+                 world_size: int, *, remote_timeout: float, remote_options: dict[str, Any],
+                 keep_last: int | None) -> None:
+        self.remote = remote
+        self.directory = directory
+        self.group = group
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.remote_timeout = remote_timeout
+        self.options = remote_options
+        self.keep_last = keep_last
+        self.wait_s = upload_wait(remote_timeout)
+        self.queue: "queue.Queue[DistributedWriteHandle | None]" = queue.Queue()
+        self.lock = threading.Lock()
+        self.unresolved: dict[int, DistributedWriteHandle] = {}
+        self.broken: str | None = None
+        self.counts = {"uploaded": 0, "upload_failed": 0}
+        self.thread = threading.Thread(target=self._run, name="snapsvc-dist-upload",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def add(self, handle: DistributedWriteHandle) -> None:
+        """Queue a step committed locally on every rank (called in commit order)."""
+        with self.lock:
+            self.unresolved[handle.seq] = handle
+        self.queue.put(handle)
+
+    def stop(self, timeout: float | None) -> bool:
+        """Finish what is queued (the sidecar has settled its uploads by now);
+        True if the thread ended within ``timeout``. Past it, what is left fails."""
+        self.queue.put(None)
+        if self.thread.ident is None:
+            return True
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            return True
+        with self.lock:
+            late = list(self.unresolved.values())
+            self.unresolved.clear()
+        for h in late:
+            h.fail_upload(f"not uploaded: the writer was closed before the ranks agreed on the "
+                          f"remote copy (close timeout {timeout} s)")
+        return False
+
+    def _run(self) -> None:
+        while True:
+            h = self.queue.get()
+            if h is None:
+                return
+            try:
+                self._one(h)
+            except BaseException as e:  # never let the thread die silently
+                log.exception("snapsvc: committing step %d on the remote tier failed", h.step)
+                self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
+                self._done(h, None, f"not uploaded: {_reason(e)}")
+
+    def _done(self, h: DistributedWriteHandle, url: str | None, why: str | None) -> None:
+        with self.lock:
+            self.unresolved.pop(h.seq, None)
+        self.counts["uploaded" if url is not None else "upload_failed"] += 1
+        if url is not None:
+            try:
+                h._upload.set_result(url)
+            except Exception:  # InvalidStateError: a racing close() failed it first
+                pass
+        else:
+            h.fail_upload(why or "not uploaded")
+
+    def _local(self, h: DistributedWriteHandle) -> dict[str, Any]:
+        """This rank's upload outcome, as sent to the others."""
+        assert h.local is not None
+        try:
+            h.local.uploaded(timeout=self.wait_s)
+        except UploadError as e:
+            return {"ok": False, "error": _reason(e).removeprefix("UploadError: ")}
+        except TimeoutError:
+            return {"ok": False, "error": f"its upload was not decided within {self.wait_s:g} s"}
+        except Exception as e:
+            return {"ok": False, "error": _reason(e)}
+        return {"ok": True, "error": None}
+
+    def _one(self, h: DistributedWriteHandle) -> None:
+        step = h.step
+        if self.broken is not None:
+            self._done(h, None, f"not uploaded: the ranks' upload exchange failed earlier "
+                                f"({self.broken})")
+            return
+        mine = self._local(h)
+        try:
+            gathered = _all_gather_msg(mine, self.world_size, self.group)
+        except Exception as e:
+            self.broken = f"exchanging upload results failed: {_reason(e)}"
+            self._done(h, None, f"not uploaded (no remote manifest): {self.broken}; a rank "
+                                "died or hung")
+            return
+        failures = {r: g["error"] for r, g in enumerate(gathered) if not g["ok"]}
+        decision: list[Any] = [None, None]
+        if self.rank == 0:
+            if failures:
+                decision[1] = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+            else:
+                try:
+                    decision[0] = self._commit(h)
+                except Exception as e:
+                    decision[1] = f"rank 0: writing the remote manifest: " \
+                                  f"{scrub(_reason(e), self.options)}"
+        committed_here = decision[0]
+        try:
+            decision = _broadcast_msg(decision, self.root, self.group)
+        except Exception as e:
+            self.broken = f"the remote commit decision did not arrive from rank 0: {_reason(e)}"
+            if committed_here is None:
+                self._done(h, None, f"not uploaded: {self.broken}; the step may or may not be "
+                                    "complete remotely: latest_checkpoint() decides")
+                return
+            decision = [committed_here, None]
+        url, why = decision
+        if url is None:
+            log.error("step %d not committed on the remote tier: %s", step, why)
+            self._done(h, None, f"step {step} not committed on the remote tier (no remote "
+                                f"manifest): {why}")
+            return
+        self._done(h, url, None)
+        if self.rank == 0 and self.keep_last is not None:
+            try:
+                run_sync(asyncio.wait_for(self._prune(), self.remote_timeout))
+            except Exception as e:
+                log.warning("remote rotation after step %d failed: %s", step,
+                            scrub(_reason(e), self.options))
+
+    def _store(self) -> Store:
+        # opened in this thread, for each use: obstore's clients do not survive a fork()
+        return open_store(self.remote, remote_timeout=self.remote_timeout, options=self.options)
+
+    def _commit(self, h: DistributedWriteHandle) -> str:
+        """Rank 0: the step's manifest on the remote tier, after checking the listing; its URL."""
+        key = os.path.relpath(h.path, self.directory).replace(os.sep, "/")
+        m = read_manifest(h.path)
+        with open(os.path.join(h.path, MANIFEST_NAME), "rb") as f:
+            data = f.read()
+
+        async def commit() -> str:
+            store = self._store()
+            url = store.key_url(key)
+            listed = {o.key[len(key) + 1:]: o.size for o in await store.list(f"{key}/")}
+            problems = _missing(m, listed.get, url)
+            if problems:
+                raise RuntimeError("the remote copy is not what the manifest lists: "
+                                   + "; ".join(problems))
+            await store.put(f"{key}/{MANIFEST_NAME}", io.BytesIO(data))  # last: the commit
+            return url
+
+        return run_sync(asyncio.wait_for(commit(), self.remote_timeout))
+
+    async def _prune(self) -> None:
+        """``remote_keep_last``: the complete steps older than the newest ``keep_last``
+        complete ones lose their manifest first, then their ``.meta``, then the rest."""
+        assert self.keep_last is not None and self.keep_last >= 1  # the newest always stays
+        store = self._store()
+        objects = await store.list()
+        kept = await remote_complete_steps(store, objects=objects, enough=self.keep_last)
+        if len(kept) < self.keep_last:
+            return
+        oldest = kept[-1][0]
+        steps: dict[int, list[str]] = {}
+        for o in objects:
+            n = step_number(o.key.partition("/")[0])
+            if n is not None and n < oldest:
+                steps.setdefault(n, []).append(o.key)
+        for n, keys in sorted(steps.items()):
+            manifest = f"step_{n}/{MANIFEST_NAME}"
+            if manifest not in keys:
+                continue  # never committed: not a checkpoint of this series
+            await store.delete(manifest)  # first: it vouches for the rest
+            rest = sorted((k for k in keys if k != manifest),
+                          key=lambda k: not k.endswith(META_SUFFIX))
+            for k in rest:
+                await store.delete(k)
+            log.info("remote rotation: removed %s", store.key_url(f"step_{n}"))
