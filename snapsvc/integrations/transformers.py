@@ -167,8 +167,17 @@ class SnapsvcTrainer(Trainer):
     # -- lifecycle ------------------------------------------------------------------
     def _snapsvc_fallback_reason(self) -> str | None:
         """Why this run uses the stock synchronous save, or None."""
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return "DeepSpeed and FSDP save their own sharded layouts"
+        if self.is_fsdp_enabled:
+            version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+            return (f"FSDP{version}: accelerate saves the sharded model and optimizer itself "
+                    "(save_fsdp_model, save_fsdp_optimizer, in the training process) and "
+                    "SnapsvcTrainer does not replace that save; for asynchronous checkpoints "
+                    "of an FSDP2 run, submit the whole state (model, optimizer, scheduler, "
+                    "RNG states, train state) to snapsvc.DistributedSnapshotWriter from your "
+                    "own training loop (docs/distributed.md, 'A whole training state')")
+        if self.is_deepspeed_enabled:
+            return ("DeepSpeed: its engine saves its own ZeRO partitions (save_checkpoint), "
+                    "which snapsvc does not write")
         if is_torch_xla_available() or is_sagemaker_mp_enabled():
             return "XLA and SageMaker MP save through their own APIs"
         if self.args.push_to_hub:
