@@ -1,12 +1,13 @@
-"""SnapsvcTrainer under accelerate's FSDP2 (issue 23): the stock save, with a warning.
+"""SnapsvcTrainer under accelerate's FSDP2 (issue 23): the whole state through
+DistributedSnapshotWriter, and a resume bit-exact at the same world size.
 
 accelerate 1.15 turns FSDP on only for GPUs and other accelerators: on CPU
 (``DistributedType.MULTI_CPU``, gloo) ``AcceleratorState`` drops the FSDP
 plugin without a word and the Trainer runs DDP. To run the Trainer's real
 FSDP2 path here, the script lifts that one check (:func:`lift_cpu_gate`);
-everything else (``fully_shard`` wrapping, the DTensor optimizer, accelerate's
-sharded save and load through DCP) is accelerate's and torch's own. The
-stock Trainer runs in the same script as the control.
+everything else (``fully_shard`` wrapping, the DTensor optimizer, the stock
+Trainer's sharded save and load through DCP) is accelerate's and torch's own.
+The stock Trainer runs in the same script as the control.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ KINDS = ["stock", "snapsvc"]
 FSDP = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                      "auto_wrap_policy": "SIZE_BASED_WRAP",
                                      "min_num_params": 64},
-            ddp_backend="gloo", max_steps=6)
+            ddp_backend="gloo", max_steps=5, lr_scheduler_type="linear")
 
 
 class Net(torch.nn.Module):
-    """Linear(8, 16), ReLU, Linear(16, 4) with a regression loss: each Linear its own
-    FSDP2 unit (SIZE_BASED_WRAP), the root one more."""
+    """Linear(8, 16), ReLU, dropout (so a resume needs the RNG states), Linear(16, 4) with
+    a regression loss: each Linear its own FSDP2 unit (SIZE_BASED_WRAP), the root one more."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,7 +48,7 @@ class Net(torch.nn.Module):
         self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        y = self.out(torch.relu(self.inp(x)))
+        y = self.out(torch.nn.functional.dropout(torch.relu(self.inp(x)), 0.5, self.training))
         return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
 
 
@@ -99,40 +100,84 @@ class Messages(logging.Handler):
         self.seen.append(record.getMessage())
 
 
+def main_reads_on_save():
+    """test_hf_trainer_behaviour's ReadOnSave on the main process only: under torchrun the
+    main process writes and commits checkpoint-<N>, so only its callbacks are sure to find
+    it whole, with the stock Trainer too."""
+    from test_hf_trainer_behaviour import ReadOnSave
+
+    class MainReadsOnSave(ReadOnSave):
+        def on_save(self, args, state, control, **kwargs):
+            if args.process_index == 0:
+                super().on_save(args, state, control, **kwargs)
+
+    return MainReadsOnSave()
+
+
+def full_state(trainer) -> dict[str, torch.Tensor]:
+    """Global parameters and both Adam moments, by parameter name (a collective)."""
+    out = {f"param/{k}": v for k, v in full_weights(trainer.model).items()}
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for p, st in trainer.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = st[key]
+            out[f"{key}/{names[id(p)]}"] = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return out
+
+
 def dist_fsdp(out: str, result: str) -> None:
-    """Under torchrun (2 ranks, gloo, FSDP2): 6 uninterrupted stock steps; each kind
-    stopped at 3 (checkpoint-3); SnapsvcTrainer resumed from its checkpoint-3 to 6. Rank 0
-    saves the weights (RESULT.full, RESULT.resumed) and RESULT.json: what it saw."""
+    """Under torchrun (2 ranks, gloo, FSDP2): 5 uninterrupted stock steps; then, for each
+    kind, a run stopped at 3 and a resume from its checkpoint-3 to 5 (a checkpoint every
+    step, save_total_limit=1). Rank 0 saves RESULT.<full|kind>.safetensors (parameters,
+    Adam moments) and RESULT.json (learning rates, file lists, warnings, on_save views)."""
     from safetensors.torch import save_file
     lift_cpu_gate()
     messages = Messages()
     logging.getLogger("snapsvc").addHandler(messages)
     full = make_trainer("stock", os.path.join(out, "full"), save_strategy="no")
     full.train()
-    seen: dict[str, object] = {"fsdp": [full.is_fsdp_enabled,
-                                        type(next(full.model.parameters())).__name__]}
+    tensors = {"full": full_state(full)}
+    seen: dict[str, object] = {
+        "fsdp": [full.is_fsdp_enabled, type(next(full.model.parameters())).__name__],
+        "full": [full.lr_scheduler.last_epoch, full.lr_scheduler.get_last_lr(),
+                 [g["lr"] for g in full.optimizer.param_groups]]}
     for kind in KINDS:
-        cut = make_trainer(kind, os.path.join(out, kind), callbacks=[StopAt(3)])
+        run = os.path.join(out, kind)
+        on_save = main_reads_on_save()
+        cut = make_trainer(kind, run, callbacks=[StopAt(3), on_save], save_steps=1,
+                           save_total_limit=1)
         cut.train()
-        seen[kind] = files_of(os.path.join(out, kind, "checkpoint-3"))
-    seen["cut_warnings"] = list(messages.seen)
-    resumed = make_trainer("snapsvc", os.path.join(out, "snapsvc"))
-    resumed.train(resume_from_checkpoint=os.path.join(out, "snapsvc", "checkpoint-3"))
-    resumed.close()
+        if kind == "snapsvc":
+            cut.close()
+        listed = [sorted(n for n in os.listdir(run) if not n.startswith("."))]
+        resumed = make_trainer(kind, run, save_steps=1, save_total_limit=1)
+        resumed.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
+        if kind == "snapsvc":
+            resumed.close()
+        listed.append(sorted(n for n in os.listdir(run) if not n.startswith(".")))
+        tensors[kind] = full_state(resumed)
+        seen[kind] = {
+            "lr": [resumed.lr_scheduler.last_epoch, resumed.lr_scheduler.get_last_lr(),
+                   [g["lr"] for g in resumed.optimizer.param_groups]],
+            "run": listed,
+            "files": files_of(os.path.join(run, "checkpoint-5")),
+            "on_save": {s: [step, "trainer_state.json" in (files or [])]
+                        for s, (files, step) in on_save.seen.items()}}
     seen["warnings"] = messages.seen
-    final, ours = full_weights(full.model), full_weights(resumed.model)
-    if resumed.args.process_index == 0:
-        save_file(final, result + ".full")
-        save_file(ours, result + ".resumed")
+    if full.args.process_index == 0:
+        for name, t in tensors.items():
+            save_file(t, f"{result}.{name}.safetensors")
         with open(result + ".json", "w") as f:
             json.dump(seen, f)
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_trainer_takes_the_stock_save_with_a_warning_and_resumes_bit_exact(tmp_path):
-    """Under FSDP2 SnapsvcTrainer warns once per trainer, naming FSDP2, why, and
-    DistributedSnapshotWriter; writes the stock Trainer's files; and resumes from them
-    to the uninterrupted stock run's weights, bit for bit."""
+def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(tmp_path):
+    """Under FSDP2 SnapsvcTrainer writes every rank's shards through
+    DistributedSnapshotWriter (no fallback, no warning), with the stock Trainer's
+    rotation and on_save view; a resume at the same world size gives the uninterrupted
+    stock run's parameters, Adam moments and learning rates bit for bit, as the stock
+    Trainer's own resume does."""
     from safetensors.torch import load_file
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -145,17 +190,21 @@ def test_fsdp2_trainer_takes_the_stock_save_with_a_warning_and_resumes_bit_exact
     with open(result + ".json") as f:
         seen = json.load(f)
     assert seen["fsdp"] == [True, "DTensor"]   # the Trainer really ran FSDP2
-    assert seen["snapsvc"] == seen["stock"]
-    assert "pytorch_model_fsdp_0/.metadata" in seen["stock"]
-    assert len(seen["cut_warnings"]) == 1 and len(seen["warnings"]) == 2
-    warning = seen["warnings"][0]
-    for part in ("synchronous stock checkpoints", "FSDP2", "save_fsdp_model",
-                 "DistributedSnapshotWriter", "docs/distributed.md"):
-        assert part in warning, warning
-    full, resumed = load_file(result + ".full"), load_file(result + ".resumed")
-    assert full.keys() == resumed.keys()
-    for name, tensor in full.items():
-        assert torch.equal(resumed[name], tensor), name
+    assert seen["warnings"] == []
+    assert "pytorch_model_fsdp_0/.metadata" in seen["stock"]["files"]
+    assert seen["snapsvc"]["files"] == ["manifest.msgpack", "rank0.fdl", "rank0.fdl.meta",
+                                        "rank1.fdl", "rank1.fdl.meta", "trainer_state.json"]
+    for kind in KINDS:
+        assert seen[kind]["run"] == [["checkpoint-3"], ["checkpoint-5"]], kind   # limit 1
+        assert seen[kind]["on_save"] == {str(s): [s, True] for s in (1, 2, 3)}, kind
+        assert seen[kind]["lr"] == seen["full"], kind
+    full = load_file(result + ".full.safetensors")
+    assert len([k for k in full if k.startswith("exp_avg_sq/")]) == 4
+    for kind in KINDS:
+        resumed = load_file(f"{result}.{kind}.safetensors")
+        assert resumed.keys() == full.keys()
+        for name, tensor in full.items():
+            assert torch.equal(resumed[name], tensor), (kind, name)
 
 
 if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
