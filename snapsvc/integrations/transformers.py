@@ -69,9 +69,22 @@ to ``checkpoint-<N>`` (same filesystem). On resume every rank loads rank 0's
 file and its own RNG states, as the stock Trainer loads ``model.safetensors``
 and ``rng_state_<r>.pth``. ``output_dir`` must be shared by the ranks.
 
+FSDP2 (accelerate's ``fsdp_version=2``). Parameters and optimizer state are
+DTensors on every rank, so every rank submits the whole state (model,
+optimizer, scheduler, scaler, trainer state, and every rank's RNG states,
+gathered into one list) with one structure; each rank stages its own shards
+(``DistributedSnapshotWriter.submit(state, step)``), into the same
+``.snapsvc-ranks/step_<N>`` directory, committed and renamed as above. A
+resume restores model, optimizer and scheduler in one
+:func:`snapsvc.restore_distributed` (resharded to this run's placements) and
+each rank's RNG states from that list: bit-exact at the same world size.
+accelerate 1.15 runs FSDP only on GPUs and other accelerators (on CPU it
+drops the plugin and the Trainer runs DDP); tests/test_hf_fsdp.py lifts that
+check to run this path on CPU with gloo.
+
 Not covered, each falling back to the stock (synchronous) save with a
-warning: DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``, and runs of
-several processes that are not torch.distributed.
+warning that says why: DeepSpeed, FSDP1, XLA, SageMaker MP, ``push_to_hub``,
+and runs of several processes that are not torch.distributed.
 """
 
 from __future__ import annotations
@@ -96,7 +109,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter
+from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter, read_manifest, \
+    restore_distributed
 from ..engine.writer import SnapshotWriter, WriteHandle
 from ..state.readback import load
 from .hf_commit import STAGING_PREFIX, Commit, Committer
@@ -167,8 +181,14 @@ class SnapsvcTrainer(Trainer):
     # -- lifecycle ------------------------------------------------------------------
     def _snapsvc_fallback_reason(self) -> str | None:
         """Why this run uses the stock synchronous save, or None."""
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return "DeepSpeed and FSDP save their own sharded layouts"
+        if self.is_fsdp_enabled and not self._snapsvc_fsdp2:
+            return ("FSDP1: accelerate saves its flat-parameter shards itself (save_fsdp_model, "
+                    "save_fsdp_optimizer) and snapsvc takes DTensor state only; set "
+                    "fsdp_config={'version': 2} (FSDP2), whose checkpoints SnapsvcTrainer "
+                    "writes through snapsvc.DistributedSnapshotWriter")
+        if self.is_deepspeed_enabled:
+            return ("DeepSpeed: its engine saves its own ZeRO partitions (save_checkpoint), "
+                    "which snapsvc does not write")
         if is_torch_xla_available() or is_sagemaker_mp_enabled():
             return "XLA and SageMaker MP save through their own APIs"
         if self.args.push_to_hub:
@@ -178,8 +198,14 @@ class SnapsvcTrainer(Trainer):
         return None
 
     @property
+    def _snapsvc_fsdp2(self) -> bool:
+        """accelerate's FSDP2: parameters and optimizer state are DTensors on every rank."""
+        return self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin,
+                                                "fsdp_version", 1) == 2
+
+    @property
     def _snapsvc_distributed(self) -> bool:
-        return self.args.world_size > 1
+        return self.args.world_size > 1 or self._snapsvc_fsdp2
 
     def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
         if self.snapsvc_writer is None and not self._snapsvc_distributed:
@@ -244,20 +270,12 @@ class SnapsvcTrainer(Trainer):
         self._snapsvc_note_best(run_dir, final)
         self._snapsvc_export_callback_states()
         distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
-        # As the stock Trainer: the main process saves model, optimizer, scheduler,
-        # scaler and trainer state; every rank its RNG states.
-        state: dict[str, Any] = {}
-        if self.args.should_save:
-            state["model"] = self.model
-            if not self.args.save_only_model:
-                state["optimizer"] = self.optimizer
-                state["scheduler"] = self.lr_scheduler
-                scaler = getattr(self.accelerator, "scaler", None)
-                if scaler is not None:
-                    state["scaler"] = scaler
-            state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
-        if not self.args.save_only_model or not self.args.should_save:
-            state["rng"] = _rng_state(distributed)
+        if self._snapsvc_fsdp2:
+            state = self._snapsvc_sharded_state(distributed)
+        else:
+            # As the stock Trainer: the main process saves model, optimizer, scheduler,
+            # scaler and trainer state; every rank its RNG states.
+            state = self._snapsvc_state(self.args.should_save, _rng_state(distributed))
         files: list[str] = []
         handle: WriteHandle | None = None
         try:
@@ -288,6 +306,34 @@ class SnapsvcTrainer(Trainer):
             # checkpoint (WandbCallback, MLflowCallback, ...) read checkpoint-<N> there
             self._snapsvc_drain(self.drain_timeout)
             self._snapsvc_raise_failed()
+
+    def _snapsvc_state(self, whole: bool, rng: Any) -> dict[str, Any]:
+        """What a rank submits: with ``whole``, model, optimizer, scheduler, scaler and
+        trainer state (the model alone with save_only_model); ``rng`` unless this is a
+        main process under save_only_model."""
+        state: dict[str, Any] = {}
+        if whole:
+            state["model"] = self.model
+            if not self.args.save_only_model:
+                state["optimizer"] = self.optimizer
+                state["scheduler"] = self.lr_scheduler
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    state["scaler"] = scaler
+            state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        if not self.args.save_only_model or not whole:
+            state["rng"] = rng
+        return state
+
+    def _snapsvc_sharded_state(self, distributed: bool) -> dict[str, Any]:
+        """FSDP2: every rank submits the whole state, one structure (each rank stages its
+        shards; plain values are rank 0's). The RNG states differ per rank, so they are
+        gathered into one list of every rank's, which each rank indexes at resume."""
+        if self.args.save_only_model:
+            return self._snapsvc_state(True, None)   # no RNG states: nothing to gather
+        rng: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rng, _rng_state(distributed))
+        return self._snapsvc_state(True, rng)
 
     def _snapsvc_on_save_reads(self) -> bool:
         """Whether a callback overrides ``on_save`` (none of the default ones does)."""
@@ -386,12 +432,37 @@ class SnapsvcTrainer(Trainer):
         return checkpoint is not None and any(
             os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
 
+    @staticmethod
+    def _snapsvc_sharded(checkpoint: str) -> bool:
+        """Whether ``checkpoint`` is an FSDP2 one: every rank's shards of one whole state."""
+        return os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)) and \
+            (read_manifest(checkpoint).sharded or {}).get("state") is not None
+
+    def _snapsvc_restore(self, checkpoint: str, model: torch.nn.Module) -> None:
+        """An FSDP2 checkpoint into ``model`` and, once they exist, the optimizer,
+        scheduler and scaler (resharded to this run's placements, at any world size);
+        keeps the saved RNG states for :meth:`_load_rng_state`."""
+        targets: dict[str, Any] = {"model": model}
+        if self.optimizer is not None and self.lr_scheduler is not None:
+            targets.update(optimizer=self.optimizer, scheduler=self.lr_scheduler)
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                targets["scaler"] = scaler
+        report = restore_distributed(checkpoint, targets)
+        if report.missing:   # as the stock Trainer, which warns of missing keys
+            log.warning("snapsvc: %s lacks %s; they keep their values", checkpoint,
+                        report.missing)
+        if "optimizer" in targets:
+            self._snapsvc_loaded = (checkpoint, {"rng": report.state.get("rng")})
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
         if not self._snapsvc_ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.model if model is None else model
         log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
+        if self._snapsvc_sharded(resume_from_checkpoint):
+            return self._snapsvc_restore(resume_from_checkpoint, model)
         self._issue_warnings_after_load(
             model.load_state_dict(self._snapsvc_take(resume_from_checkpoint, "model", fresh=True),
                                   False))
@@ -401,6 +472,9 @@ class SnapsvcTrainer(Trainer):
         if not self._snapsvc_ours(best):
             return super()._load_best_model()
         log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
+        if self._snapsvc_sharded(best):
+            restore_distributed(best, {"model": self.model})
+            return
         weights = self._snapsvc_take(best, "model", fresh=True)
         self._issue_warnings_after_load(self.model.load_state_dict(weights, False))
         self._snapsvc_loaded = None
@@ -408,6 +482,10 @@ class SnapsvcTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._snapsvc_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._snapsvc_sharded(checkpoint):
+            if self._snapsvc_loaded is None or self._snapsvc_loaded[0] != checkpoint:
+                self._snapsvc_restore(checkpoint, self.model)   # the model is its names' source
+            return
         optimizer = self._snapsvc_take(checkpoint, "optimizer")
         scheduler = self._snapsvc_take(checkpoint, "scheduler")
         if optimizer is not None and scheduler is not None:  # absent: save_only_model
@@ -417,6 +495,8 @@ class SnapsvcTrainer(Trainer):
     def _load_scaler(self, checkpoint: str | None) -> None:
         if not self._snapsvc_ours(checkpoint):
             return super()._load_scaler(checkpoint)
+        if self._snapsvc_sharded(checkpoint):
+            return   # restored with the optimizer
         scaler = self._snapsvc_take(checkpoint, "scaler")
         if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
             self.accelerator.scaler.load_state_dict(scaler)
@@ -424,11 +504,16 @@ class SnapsvcTrainer(Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self._snapsvc_ours(checkpoint):
             return super()._load_rng_state(checkpoint)
-        rng = self._snapsvc_take(checkpoint, "rng")
+        if self._snapsvc_sharded(checkpoint):
+            every = (self._snapsvc_loaded or ("", {}))[1].get("rng") or []
+            rank = self.args.process_index   # every rank's, gathered at the save
+            rng = every[rank] if rank < len(every) else None
+        else:
+            rng = self._snapsvc_take(checkpoint, "rng")
         self._snapsvc_loaded = None   # the last piece a resume needs
         if rng is None:
-            log.info("snapsvc: %s holds no RNG state (save_only_model); resuming is not "
-                     "bit-exact", checkpoint)
+            log.info("snapsvc: %s holds no RNG state for this rank (save_only_model, or a "
+                     "rank the saving run did not have); resuming is not bit-exact", checkpoint)
             return
         _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
 
