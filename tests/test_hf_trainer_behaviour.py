@@ -154,3 +154,33 @@ def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
 
 if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
     dist_second_train(*sys.argv[1:3])
+
+
+@pytest.mark.timeout(150)
+def test_a_stock_trainer_given_a_snapsvc_checkpoint_names_the_fix(tmp_path, no_leaks):
+    """Issue 21, item 14: the stock Trainer says only "Can't find a valid checkpoint" of a
+    directory it cannot read; of a snapsvc one, it now says what reads it. The control: the
+    stock Trainer resumes from its own checkpoint, and says its own words of an empty one."""
+    runs = {}
+    for kind in KINDS:
+        t = make_trainer(kind, str(tmp_path / kind), max_steps=3)
+        t.train()
+        _close(t)
+        runs[kind] = os.path.join(str(tmp_path / kind), "checkpoint-3")
+    stock = make_trainer("stock", str(tmp_path / "again"), max_steps=4)
+    stock.train(resume_from_checkpoint=runs["stock"])
+    assert stock.state.global_step == 4
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint") as plain:
+        make_trainer("stock", str(tmp_path / "x"), max_steps=4).train(
+            resume_from_checkpoint=str(empty))
+    assert "snapsvc" not in str(plain.value)
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint") as ours:
+        make_trainer("stock", str(tmp_path / "y"), max_steps=4).train(
+            resume_from_checkpoint=runs["snapsvc"])
+    assert "SnapsvcTrainer" in str(ours.value) and STATE_FILE in str(ours.value)
+    snap = make_trainer("snapsvc", str(tmp_path / "z"), max_steps=4)
+    snap.train(resume_from_checkpoint=runs["snapsvc"])   # what the message says works
+    assert snap.state.global_step == 4
+    _close(snap)

@@ -17,7 +17,8 @@ writes ``.fdl`` files and never pickles: ``optimizer.pt``, ``scheduler.pt``
 and ``rng_state.pth`` are pickles, so HF's layout would mean writing them in
 the training process, which is the stall this class removes. The cost: a
 stock ``Trainer`` cannot resume from these directories (``SnapsvcTrainer``
-resumes from both kinds), and ``from_pretrained`` needs the weights exported
+resumes from both kinds; once this module is imported, the stock one's error
+says so instead of only "Can't find a valid checkpoint"), and ``from_pretrained`` needs the weights exported
 (``snapsvc.load(path)["model"]``). Python's and numpy's RNG states become
 state-API values (tuples, ints, bytes) and are rebuilt on load.
 
@@ -91,6 +92,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -114,6 +116,7 @@ from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter, read_manifes
 from ..engine.writer import SnapshotWriter, WriteHandle
 from ..state.readback import load
 from .hf_commit import STAGING_PREFIX, Commit, Committer
+from .wraps import wrap
 
 __all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
 
@@ -516,6 +519,31 @@ class SnapsvcTrainer(Trainer):
                      "rank the saving run did not have); resuming is not bit-exact", checkpoint)
             return
         _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
+
+
+def _stock_load(original: Any) -> Any:
+    """The stock ``Trainer._load_from_checkpoint``, naming the fix for a snapsvc checkpoint."""
+    @functools.wraps(original)
+    def _load_from_checkpoint(self: Trainer, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        if not isinstance(self, SnapsvcTrainer) and SnapsvcTrainer._snapsvc_ours(
+                resume_from_checkpoint):
+            # the stock Trainer would say only "Can't find a valid checkpoint"
+            state = os.path.join(resume_from_checkpoint, STATE_FILE)
+            if not os.path.isfile(state):
+                state = os.path.join(resume_from_checkpoint, "rank0.fdl")
+            raise ValueError(
+                f"Can't find a valid checkpoint at {resume_from_checkpoint}: it is a snapsvc "
+                f"checkpoint ({STATE_FILE} or {MANIFEST_NAME}, no model.safetensors), which "
+                "the stock transformers.Trainer cannot read. Resume it with "
+                "snapsvc.transformers.SnapsvcTrainer, a drop-in Trainer, or read it with "
+                f"snapsvc.load({state!r})")
+        return original(self, resume_from_checkpoint, model)
+    return _load_from_checkpoint
+
+
+# Imported in a script that uses the stock Trainer too, the stock one names the fix.
+wrap(Trainer, "_load_from_checkpoint", _stock_load)
 
 
 @atexit.register
