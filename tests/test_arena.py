@@ -11,12 +11,14 @@ equals its state at submit.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
 import torch
 from torch import nn
 
+import hooks
 import snapsvc
 from test_state import assert_same
 
@@ -121,3 +123,32 @@ def test_names_that_alternate_reuse_the_sidecars_headers_and_stay_right(tmp_path
             w.submit(state, f"a{i}.fdl").result(timeout=60)
             assert_same(snapsvc.load(tmp_path / f"a{i}.fdl"), state)
         assert w.stats()["slots"] == 1
+
+
+def test_names_that_change_while_a_write_is_queued_take_its_pools_idle_slot(tmp_path, no_leaks):
+    """A save whose names are new while the last one is still being written (saves
+    that pile up) takes the idle slot of the busy pool, faulted in and mapped by
+    the sidecar already: no new memory, and no wait for the sidecar to map any
+    (which it would do only after the write in progress)."""
+    with snapsvc.SnapshotWriter(tmp_path, slots=2,
+                                fault_hook=functools.partial(hooks.pause, "open", "held", 3.0)) as w:
+        w.submit({"x": torch.ones(4096)}, "warm.fdl").result(timeout=60)
+        before = w.stats()
+        held = w.submit({"a": torch.full((4096,), 2.0)}, "held.fdl")  # the sidecar holds it
+        renamed = {"b": torch.full((4096,), 3.0)}
+        queued = w.submit(renamed, "b.fdl")   # written after the held one
+        assert not held.done()   # this submit did not wait for the write in progress
+        stats = w.stats()
+        assert (stats["slots"], stats["slot_bytes"]) == (before["slots"], before["slot_bytes"])
+        # the same names again while both are queued: that pool of one slot, all
+        # busy, takes one more (no idle slot anywhere: a new one)
+        again = w.submit(renamed, "b2.fdl")
+        assert w.stats()["slots"] == 3, w.stats()
+        for h in (held, queued, again):
+            h.result(timeout=60)
+        w.submit({"d": torch.full((4096,), 5.0)}, "d.fdl").result(timeout=60)
+        assert w.stats()["slots"] <= 2, w.stats()   # the others went once idle
+    assert_same(snapsvc.load(tmp_path / "held.fdl"), {"a": torch.full((4096,), 2.0)})
+    assert_same(snapsvc.load(tmp_path / "b.fdl"), renamed)
+    assert_same(snapsvc.load(tmp_path / "b2.fdl"), renamed)
+    assert_same(snapsvc.load(tmp_path / "d.fdl"), {"d": torch.full((4096,), 5.0)})

@@ -3,10 +3,13 @@
 A *slot* is an arena of shared memory (:mod:`snapsvc.engine.staging`); a
 *pool* is ``slots`` of them, laid out for one layout (names, shapes, dtypes)
 at a time. A layout the pools do not know takes over an idle pool whose
-arenas are large enough, so a checkpoint whose names or small tensors change
-at every save (Lightning's ``best_k_models``) reuses memory whose pages are
-already faulted in: names, order and non-tensor values travel with each
-write, and the sidecar rebuilds only its headers (:mod:`.worker`). A *plan*
+arenas are large enough, else the idle slots of pools still writing others
+(a pool of fewer slots, topped up one at a time when they are all busy), so
+a checkpoint whose names or small tensors change at every save (Lightning's
+``best_k_models``), even while earlier ones are queued, reuses memory whose
+pages are already faulted in and which the sidecar has mapped: names, order
+and non-tensor values travel with each write, and the sidecar rebuilds only
+its headers (:mod:`.worker`). A *plan*
 caches, per model, the tensors to copy and their pool, so a submit of an
 unchanged model does not walk it by name. Memory stays bounded: the pools of
 layouts that the last submit did not use are released as soon as they are
@@ -244,9 +247,10 @@ class SlotPools:
         return sum(s.capacity for s in self)
 
     def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool) -> Pool:
-        """The pool for ``key`` (an idle pool large enough laid out anew, else
-        made from ``layout()`` within the budget). Other pools are released if
-        idle, even when this raises: see :meth:`take_released`."""
+        """The pool for ``key``: its own, an idle pool large enough laid out
+        anew, idle slots of busy pools (see :meth:`_spare`), else made from
+        ``layout()`` within the budget. Other pools are released if idle, even
+        when this raises: see :meth:`take_released`."""
         pool = self._pools.get(key)
         if pool is not None:
             self.use(pool)
@@ -257,32 +261,58 @@ class SlotPools:
             self.use(pool)
             return pool
         self._trim(keep=None)
-        need = self.slots * lay.nbytes
+        pool = Pool()
+        self._fill(pool, lay, pin, self.slots)
+        self._pools[key] = pool
+        return pool
+
+    def _fill(self, pool: Pool, lay: Layout, pin: bool, count: int) -> None:
+        """Add up to ``count`` slots for ``lay`` to ``pool``: idle slots of other pools
+        if there are any (no new memory, nothing new for the sidecar to map, so
+        a save never waits for a write in progress), else ``count`` new ones."""
+        spare = self._spare(lay, pin)[:count]
+        if spare:
+            for slot in spare:
+                for donor in self._pools.values():
+                    if slot in donor:
+                        donor.remove(slot)
+                slot.set_layout(lay)
+            pool.extend(spare)
+            return
+        need = count * lay.nbytes
         size = arena_bytes(lay)
         if self.max_slot_bytes is not None:
-            if need > self.max_slot_bytes:
+            if self.slots * lay.nbytes > self.max_slot_bytes:
                 raise SlotBudgetError(
                     f"this snapshot needs {self.slots} slots of {lay.nbytes} bytes "
-                    f"({need} bytes), more than max_slot_bytes={self.max_slot_bytes}; "
-                    "raise the budget or use fewer slots")
+                    f"({self.slots * lay.nbytes} bytes), more than max_slot_bytes="
+                    f"{self.max_slot_bytes}; raise the budget or use fewer slots")
             if self.nbytes + need > self.max_slot_bytes:
                 raise SlotBudgetError(
                     f"this snapshot needs {need} bytes of slots and {self.nbytes} are held by "
                     f"snapshots still in flight; max_slot_bytes={self.max_slot_bytes}")
             # the arenas' room is spare: only as much as the budget leaves
-            size = max(lay.nbytes, min(size, (self.max_slot_bytes - self.nbytes) // self.slots))
-        pool = Pool()
+            size = max(lay.nbytes, min(size, (self.max_slot_bytes - self.nbytes) // count))
+        made = []
         try:
-            for _ in range(self.slots):
+            for _ in range(count):
                 self._next_id += 1
-                pool.append(Slot(self._next_id, lay, pin, size))
+                made.append(Slot(self._next_id, lay, pin, size))
         except BaseException:
-            for slot in pool:
+            for slot in made:
                 slot.release()
             raise
-        self._pools[key] = pool
-        self._by_id.update((s.id, s) for s in pool)
-        return pool
+        pool.extend(made)
+        self._by_id.update((s.id, s) for s in made)
+
+    def _spare(self, lay: Layout, pin: bool) -> list[Slot]:
+        """Idle slots large enough for ``lay`` in pools that are writing others
+        (saves whose names change while earlier ones are queued), smallest
+        first: their pages are faulted in and the sidecar has them mapped. Their
+        pools keep the busy slots, and are released once idle."""
+        return sorted((s for p in self._pools.values() if not p.users for s in p
+                       if not s.busy and s.pinned == pin and s.capacity >= lay.nbytes),
+                      key=lambda s: s.capacity)
 
     def _reuse(self, key: tuple, lay: Layout, pin: bool) -> Pool | None:
         """The smallest idle pool whose arenas hold ``lay``, now laid out for it."""
@@ -308,7 +338,13 @@ class SlotPools:
         self._plans[model] = plan
 
     def use(self, pool: Pool) -> None:
-        """``pool`` serves this submit: release the other idle pools (their slots)."""
+        """``pool`` serves this submit: one made of spares (fewer than ``slots``
+        slots), all busy, takes one more; the other idle pools are released."""
+        if len(pool) < self.slots and all(s.busy for s in pool):
+            try:
+                self._fill(pool, pool[0].layout, pool[0].pinned, 1)
+            except SlotBudgetError:
+                pass  # the writer's policy waits for one of its own, as for a full pool
         self._trim(keep=pool)
 
     def take_released(self) -> list[Slot]:
