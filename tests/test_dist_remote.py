@@ -8,6 +8,7 @@ and one to restore (tests/dist_world.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shutil
@@ -187,6 +188,41 @@ def test_world1_unreachable_remote_fails_uploaded_and_local_commits_go_on(unreac
         stats = w.stats()
     assert stats["committed"] == 2 and stats["upload_failed"] == 2
     assert snapsvc.latest_checkpoint(d) == str(d / "step_2")
+
+
+@pytest.mark.timeout(120)
+def test_world1_steps_left_local_only_are_uploaded_by_the_next_writer(s3, world1, tmp_path):
+    # A remote that fails every upload (its bucket is missing), then is back: the next
+    # writer on the directory uploads what the first one left local-only, newest first,
+    # except a step that remote_keep_last would remove at once (step 1 here).
+    url = "s3://snapsvc-late-bucket/ckpt"
+    d = tmp_path / "ckpt"
+    models = [make_model(seed) for seed in (1, 2, 3)]
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=url,
+                                           remote_timeout=1.0) as w:
+        handles = [w.submit(m, step, optimizer=o) for step, (m, o) in enumerate(models, 1)]
+        for h in handles:
+            h.result(timeout=RESULT_S)
+            with pytest.raises(snapsvc.UploadError):
+                h.uploaded(timeout=RESULT_S)
+    s3.client.create_bucket(Bucket="snapsvc-late-bucket")
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=url,
+                                           remote_keep_last=2) as w:
+        pass   # close() waits for the uploads it started
+    assert w.stats()["uploaded"] == 2   # step 1 would have been uploaded, then pruned
+    late = dataclasses.replace(s3, bucket="snapsvc-late-bucket")
+    assert sorted({k.partition("/")[0] for k in late.keys()}) == ["step_2", "step_3"]
+    for step in (2, 3):   # the remote manifest is the local one
+        assert late.read(f"step_{step}/{MANIFEST_NAME}") == \
+            (d / f"step_{step}" / MANIFEST_NAME).read_bytes()
+
+    shutil.rmtree(d)
+    assert snapsvc.latest_checkpoint(d, remote=url) == f"{url}/step_3"
+    back, back_opt = make_model(5)
+    snapsvc.restore_distributed(f"{url}/step_3", back, back_opt)
+    assert same(models[2][0], back)
+    assert torch.equal(back_opt.state_dict()["state"][0]["exp_avg"],
+                       models[2][1].state_dict()["state"][0]["exp_avg"])
 
 
 # -- two ranks ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..files.durable import atomic_write, fsync_dir
 from ..format import fdl
@@ -194,13 +194,14 @@ def step_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _latest_local(directory: str | os.PathLike[str]) -> tuple[int, str] | None:
-    """(step, path) of the newest complete ``step_<N>`` directory under ``directory``."""
+def _complete_local(directory: str | os.PathLike[str]) -> Iterator[tuple[int, Manifest]]:
+    """(step, manifest) of each complete ``step_<N>`` directory under ``directory``,
+    newest first (lazily: the caller may stop at the first)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return None
+        return
     steps = sorted(((n, name) for name in names if (n := step_number(name)) is not None),
                    reverse=True)
     for step, name in steps:
@@ -216,5 +217,11 @@ def _latest_local(directory: str | os.PathLike[str]) -> tuple[int, str] | None:
         if problems:
             log.warning("%s has a manifest but is damaged; skipped: %s", path, "; ".join(problems))
             continue
-        return step, path
+        yield step, m
+
+
+def _latest_local(directory: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(step, path) of the newest complete ``step_<N>`` directory under ``directory``."""
+    for step, m in _complete_local(directory):
+        return step, m.path
     return None

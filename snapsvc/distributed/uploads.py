@@ -16,6 +16,20 @@ committed locally, in commit order, on a thread and a gloo group of their own
     broadcast (step URL | None, reason) from rank 0            [upload group]
     resolve uploaded() on every rank: the step's URL, or UploadError
 
+Catch-up, first, at the thread's start: the steps an earlier run left
+complete locally but not remotely (a crash, an outage, a close past
+``remote_timeout``) go through the same exchange, newest first::
+
+    rank 0: the complete local steps (manifest, sizes) that the remote tier
+            lacks complete (tier.remote_complete_steps), or holds with other
+            files; those remote_keep_last would remove at once are skipped
+    broadcast (steps) from rank 0                             [upload group]
+    every rank: its own file of each step, as the manifest lists it, to its
+            sidecar's uploader (SnapshotWriter._upload_durable), oldest first
+            in, so that the newest goes first out
+    then, per step, the exchange above; outcomes are logged (no handle), and
+    close() names the steps not uploaded
+
 No rank's training loop waits on any of it: ``submit()`` only queues.
 """
 
@@ -27,8 +41,9 @@ import logging
 import os
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
+from ..engine.handles import WriteHandle
 from ..errors import UploadError
 from ..files.meta import META_SUFFIX
 from ..remote.fetch import run_sync
@@ -36,7 +51,8 @@ from ..remote.store import Store, open_store, scrub
 from ..remote.upload import BACKLOG
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle
-from .manifest import MANIFEST_NAME, _missing, read_manifest, step_number
+from .manifest import MANIFEST_NAME, _complete_local, _missing, read_manifest, step_dir, \
+    step_number
 from .tier import remote_complete_steps
 
 __all__ = ["Uploads", "upload_wait"]
@@ -56,7 +72,8 @@ class Uploads:
 
     def __init__(self, remote: str, directory: str, group: Any, root: int, rank: int,
                  world_size: int, *, remote_timeout: float, remote_options: dict[str, Any],
-                 keep_last: int | None) -> None:
+                 keep_last: int | None, upload: Callable[[str], WriteHandle],
+                 group_timeout: float) -> None:
         self.remote = remote
         self.directory = directory
         self.group = group
@@ -67,6 +84,12 @@ class Uploads:
         self.options = remote_options
         self.keep_last = keep_last
         self.wait_s = upload_wait(remote_timeout)
+        self.upload = upload   # a file durable already, to this rank's sidecar's uploader
+        # the catch-up: set once its files are with the sidecar (close() stops it after);
+        # its listing and broadcast are bounded by remote_timeout and the group's timeout
+        self.handed = threading.Event()
+        self.catch_up_s = remote_timeout + group_timeout
+        self.found: list[DistributedWriteHandle] = []   # the catch-up's steps, newest first
         self.queue: "queue.Queue[DistributedWriteHandle | None]" = queue.Queue()
         self.lock = threading.Lock()
         self.unresolved: dict[int, DistributedWriteHandle] = {}
@@ -84,40 +107,139 @@ class Uploads:
             self.unresolved[handle.seq] = handle
         self.queue.put(handle)
 
+    def handed_over(self, timeout: float | None) -> None:
+        """Wait until the catch-up's files are with the sidecar (before it is stopped)."""
+        if self.thread.ident is not None:
+            self.handed.wait(self.catch_up_s if timeout is None else timeout)
+
     def stop(self, timeout: float | None) -> bool:
         """Finish what is queued (the sidecar has settled its uploads by now);
-        True if the thread ended within ``timeout``. Past it, what is left fails."""
+        True if the thread ended within ``timeout``. Past it, what is left fails.
+        Logs the catch-up's steps that were not uploaded."""
         self.queue.put(None)
         if self.thread.ident is None:
             return True
         self.thread.join(timeout)
-        if not self.thread.is_alive():
-            return True
-        with self.lock:
-            late = list(self.unresolved.values())
-            self.unresolved.clear()
-        for h in late:
-            h.fail_upload(f"not uploaded: the writer was closed before the ranks agreed on the "
-                          f"remote copy (close timeout {timeout} s)")
-        return False
+        ended = not self.thread.is_alive()
+        if not ended:
+            with self.lock:
+                late = list(self.unresolved.values())
+                self.unresolved.clear()
+            for h in late:
+                h.fail_upload(f"not uploaded: the writer was closed before the ranks agreed "
+                              f"on the remote copy (close timeout {timeout} s)")
+        left = {}
+        for h in self.found:
+            try:
+                h.uploaded(timeout=0)
+            except (UploadError, TimeoutError) as e:
+                left[h.step] = str(e)
+        if left:
+            log.error("snapsvc: step(s) %s, complete locally before this writer started, were "
+                      "not uploaded; a writer started later on %s with remote= uploads them: %s",
+                      sorted(left), self.directory, "; ".join(left.values()))
+        return ended
 
     def _run(self) -> None:
+        try:
+            self.found = self._catch_up()
+        except BaseException as e:  # a bug: the ranks' exchanges may no longer pair up
+            log.exception("snapsvc: looking for steps to upload from an earlier run failed")
+            self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
+        finally:
+            self.handed.set()
+        for h in self.found:
+            self._exchange(h)
         while True:
             h = self.queue.get()
             if h is None:
                 return
-            try:
-                self._one(h)
-            except BaseException as e:  # never let the thread die silently
-                log.exception("snapsvc: committing step %d on the remote tier failed", h.step)
-                self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
-                self._done(h, None, f"not uploaded: {_reason(e)}")
+            self._exchange(h)
+
+    def _exchange(self, h: DistributedWriteHandle) -> None:
+        try:
+            self._one(h)
+        except BaseException as e:  # never let the thread die silently
+            log.exception("snapsvc: committing step %d on the remote tier failed", h.step)
+            self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
+            self._done(h, None, f"not uploaded: {_reason(e)}")
+
+    # -- the catch-up ----------------------------------------------------------------
+    def _catch_up(self) -> list[DistributedWriteHandle]:
+        """The steps an earlier run left local-only, each rank's file of each handed to
+        its sidecar (see the module docstring); their handles, newest first."""
+        steps = self._left_local() if self.rank == 0 else []
+        try:
+            steps = _broadcast_msg(steps, self.root, self.group)
+        except Exception as e:
+            self.broken = f"agreeing on the steps an earlier run left local-only failed: " \
+                          f"{_reason(e)}"
+            log.error("snapsvc: %s; they stay local-only", self.broken)
+            return []
+        found = [self._hand_over(n) for n in sorted(steps)]  # oldest first in: newest out
+        return found[::-1]
+
+    def _hand_over(self, step: int) -> DistributedWriteHandle:
+        """This rank's file of ``step`` (as its manifest lists it) to the sidecar's uploader."""
+        path = step_dir(self.directory, step)
+        # no user holds it: a seq of its own, below the writer's (which start at 1)
+        h = DistributedWriteHandle(-1 - step, path, step, self.rank, "", remote=True)
+        try:
+            h.file = os.path.join(path, read_manifest(path).ranks[self.rank].file)
+            h.local = self.upload(h.file)
+        except Exception as e:  # the sidecar is gone, or the step since: the others learn why
+            h.local = WriteHandle(0, h.file or path, remote=True)
+            h.local.fail_upload(f"not handed to the uploader: {_reason(e)}")
+        with self.lock:
+            self.unresolved[h.seq] = h
+        return h
+
+    def _left_local(self) -> list[int]:
+        """Rank 0: the complete local steps of this world size that the remote tier lacks
+        complete, or holds with other files, less those ``remote_keep_last`` would
+        remove at once; oldest first."""
+        local = {n: m for n, m in _complete_local(self.directory)}
+        if not local:
+            return []
+
+        async def listing() -> dict[int, Any]:
+            return dict(await remote_complete_steps(self._store(), above=min(local) - 1))
+
+        try:
+            remote = run_sync(asyncio.wait_for(listing(), self.remote_timeout))
+        except Exception as e:
+            log.error("snapsvc: listing %s at start failed (%s); steps an earlier run left "
+                      "local-only stay so", self.remote, scrub(_reason(e), self.options))
+            return []
+        todo = [n for n, m in sorted(local.items())
+                if n not in remote or remote[n].ranks != m.ranks]
+        other = [n for n in todo if local[n].world_size != self.world_size]
+        if other:
+            log.warning("snapsvc: not uploading step(s) %s of %s: saved at another world size, "
+                        "so some ranks' files have no rank here to upload them", other,
+                        self.directory)
+            todo = [n for n in todo if n not in other]
+        if self.keep_last is not None:
+            kept = sorted(set(remote) | set(todo), reverse=True)[:self.keep_last]
+            late = [n for n in todo if n not in kept]
+            if late:
+                log.warning("snapsvc: not uploading step(s) %s of %s: remote_keep_last=%d would "
+                            "remove them at once (newer steps %s are, or will be, complete "
+                            "remotely)", late, self.directory, self.keep_last, kept)
+                todo = [n for n in todo if n in kept]
+        if todo:
+            log.info("snapsvc: uploading step(s) %s of %s, complete locally but not on the "
+                     "remote tier", todo, self.directory)
+        return todo
 
     def _done(self, h: DistributedWriteHandle, url: str | None, why: str | None) -> None:
         with self.lock:
             self.unresolved.pop(h.seq, None)
         self.counts["uploaded" if url is not None else "upload_failed"] += 1
         if url is not None:
+            if h.seq < 0:   # the catch-up's: no handle to tell
+                log.info("snapsvc: uploaded step %d, left local-only by an earlier run: %s",
+                         h.step, url)
             try:
                 h._upload.set_result(url)
             except Exception:  # InvalidStateError: a racing close() failed it first

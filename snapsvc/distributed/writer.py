@@ -102,7 +102,9 @@ class DistributedSnapshotWriter:
     complete steps kept on the remote tier (older ones lose their manifest
     first, then their files); ``remote_timeout`` bounds each rank's upload of
     a step, and how long :meth:`close` waits for uploads; ``remote_options``
-    go to the storage engine.
+    go to the storage engine. At :meth:`start`, the steps an earlier run left
+    complete locally but not remotely (a crash, an outage) are uploaded the
+    same way, newest first; their outcomes are logged.
 
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
@@ -153,13 +155,17 @@ class DistributedSnapshotWriter:
             # (a run resumed from an earlier one) is never complete over other bytes.
             self._writer._life.options.update(remote_scan=False,
                                               remote_uncommit=(MANIFEST_NAME,))
-            self._upload_group = _new_group(process_group,
-                                            self.coord_timeout + upload_wait(remote_timeout))
+            group_timeout = self.coord_timeout + upload_wait(remote_timeout)
+            self._upload_group = _new_group(process_group, group_timeout)
+            # at its start, the steps an earlier run left local-only are uploaded (ranks
+            # agree which; each hands its own files to its sidecar): see .uploads
             self._uploads = Uploads(self.remote, self.directory, self._upload_group,
                                     dist.get_global_rank(self._upload_group, 0), self.rank,
                                     self.world_size, remote_timeout=remote_timeout,
                                     remote_options=dict(remote_options or {}),
-                                    keep_last=remote_keep_last)
+                                    keep_last=remote_keep_last,
+                                    upload=self._writer._upload_durable,
+                                    group_timeout=group_timeout)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
                                   on_commit=None if self._uploads is None else self._uploads.add)
@@ -205,7 +211,9 @@ class DistributedSnapshotWriter:
         handles still pending after it fail and the sidecar is stopped.
         With ``remote``, the sidecar then gives uploads up to ``remote_timeout``
         and the ranks agree on each step's remote commit; a step not committed
-        remotely fails its ``uploaded()``.
+        remotely fails its ``uploaded()``, and the steps of an earlier run that
+        this writer was uploading and did not commit are logged (an error
+        naming them).
         """
         if self._closed:
             return
@@ -213,6 +221,9 @@ class DistributedSnapshotWriter:
         _live.discard(self)
         deadline = None if timeout is None else time.monotonic() + timeout
         ended = self._coord.stop(timeout)
+        if self._uploads is not None:   # an earlier run's steps reach the sidecar first
+            self._uploads.handed_over(None if deadline is None
+                                      else max(0.1, deadline - time.monotonic()))
         left = None if deadline is None else max(0.1, deadline - time.monotonic())
         self._writer.close(left)   # the sidecar settles every upload before it exits
         groups = [self._group] if ended else []

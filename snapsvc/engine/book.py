@@ -86,6 +86,19 @@ class Book:
         self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen)
         return self.seq
 
+    def durable(self, path: str, gen: int) -> WriteHandle:
+        """A handle for uploading ``path``, durable already (cond held): its
+        ``result()`` is resolved; its ``uploaded()`` waits for an UPLOADED report
+        from the sidecar of generation ``gen``, or fails with it."""
+        self.seq += 1
+        handle = WriteHandle(self.seq, path, self.on_reader, remote=True)
+        handle._future.set_result(WriteReport(path=path, seq=handle.seq))
+        if self.broken is not None:  # book.lose has run for that sidecar already
+            handle.fail_upload(f"not uploaded: {self.broken}")
+        else:
+            self.uploading[handle.seq] = (handle, gen)
+        return handle
+
     def skipped(self, path: str, started: float) -> WriteHandle:
         """A handle already resolved as skipped (policy "skip" found no slot)."""
         stall = time.monotonic() - started

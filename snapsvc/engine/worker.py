@@ -213,6 +213,8 @@ class _Sidecar:
             # Its fd is the next thing on the socket: read it before anything can fail.
             self.slots[msg["slot"]] = _Slot(self.recv_slot(), msg["layout"])
             self.report(protocol.SLOT_OK, slot=msg["slot"])
+        elif op == protocol.UPLOAD:  # durable already: straight to the uploader
+            self.files().upload({"ok": True, "seq": msg["seq"], "path": msg["path"]})
         elif op == protocol.FREE:
             for sid in msg["slots"]:
                 self.slots.pop(sid, None)  # the last reference: the mapping and its fd go

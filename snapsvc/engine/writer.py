@@ -234,6 +234,23 @@ class SnapshotWriter:
                     self._pools.clear()
                 book.cond.notify_all()
 
+    def _upload_durable(self, path: str | os.PathLike[str]) -> WriteHandle:
+        """Upload the checkpoint ``path`` (under ``directory``), durable already,
+        through the sidecar's uploader; its handle's ``uploaded()`` resolves as a
+        submitted checkpoint's does. For DistributedSnapshotWriter, whose sidecars
+        do not scan the shared directory at start: the ranks decide what each uploads."""
+        self._check_caller("upload", wait=False)
+        if self.remote is None:
+            raise ValueError("this SnapshotWriter has no remote tier (remote=None)")
+        path = self._resolve(path, create=False)
+        self._life.ensure_running()
+        with self._book.cond:
+            self._book.check_open()
+            handle = self._book.durable(path, self._sidecar.gen)
+        # a sidecar gone already fails the handle through book.lose
+        self._sidecar.send(protocol.pack(protocol.UPLOAD, seq=handle.seq, path=path))
+        return handle
+
     def _check_caller(self, what: str, *, wait: bool = True) -> None:
         """Refuse a call from a forked child, and (``wait``: a call that waits
         for reports) from the reader thread, i.e. inside a done-callback."""

@@ -21,6 +21,8 @@ trainer -> writer::
     {op: WRITE, seq, slot, path, sent_at, body}   body: pack_value({epoch, metrics,
                                                   extra, optim, state}), packed at submit
     {op: FREE,  slots}                   unmap these slots (their pools were released)
+    {op: UPLOAD, seq, path}              with remote=: upload this checkpoint, durable already
+                                         (a rank's step left local-only by an earlier run)
     {op: STOP}
 
 writer -> trainer::
@@ -51,13 +53,14 @@ import msgpack
 from ..errors import FormatError
 from .bounded import decode
 
-__all__ = ["SLOT", "WRITE", "FREE", "STOP", "READY", "SLOT_OK", "DONE", "UPLOADED", "MAX_METADATA",
-           "MAX_NESTING", "TensorRef", "ObjectNode", "InlineTensor", "pack", "unpack", "pack_value",
-           "unpack_value"]
+__all__ = ["SLOT", "WRITE", "FREE", "UPLOAD", "STOP", "READY", "SLOT_OK", "DONE", "UPLOADED",
+           "MAX_METADATA", "MAX_NESTING", "TensorRef", "ObjectNode", "InlineTensor", "pack",
+           "unpack", "pack_value", "unpack_value"]
 
 SLOT = "slot"
 WRITE = "write"
 FREE = "free"
+UPLOAD = "upload"
 STOP = "stop"
 READY = "ready"
 SLOT_OK = "slot_ok"

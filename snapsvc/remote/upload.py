@@ -27,7 +27,8 @@ that does not match its metadata is not retried (it never will).
 Restart. At start, unfinished uploads a dead writer left are aborted
 (:meth:`~snapsvc.remote.store.Store.abort_stale_uploads`), and (unless
 ``scan=False``: a rank of a multi-rank writer, whose directory also holds the
-other ranks' files) every checkpoint under the local directory that is
+other ranks' files; its ranks agree on what to upload, see
+:mod:`snapsvc.distributed.uploads`) every checkpoint under the local directory that is
 complete locally but not remotely (no remote ``.meta``, or one with other
 bytes) is queued.
 
