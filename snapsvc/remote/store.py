@@ -264,10 +264,11 @@ class ObjectStore(Store):
             pass
 
     async def abort_stale_uploads(self) -> int:
-        """S3 only, and only where boto3 is installed: obstore has no call to list
-        multipart uploads. Elsewhere a bucket lifecycle rule does this (S3's
-        ``AbortIncompleteMultipartUpload``; GCS and Azure expire unfinished
-        parts on their own)."""
+        """S3 only, through boto3 (in ``snapsvc[remote]``; skipped where it is not
+        installed): obstore has no call to list multipart uploads. Elsewhere a
+        bucket lifecycle rule does this (S3's and GCS's
+        ``AbortIncompleteMultipartUpload``; Azure drops uncommitted blocks after
+        7 days on its own)."""
         if not self.url.startswith(("s3://", "s3a://")):
             return 0
         try:
