@@ -24,7 +24,7 @@ import os
 
 from ..format import fdl
 from ..format.streams import open_source
-from .checkpoint import save_checkpoint
+from .checkpoint import file_framing, save_checkpoint
 from .tensors import EntryInfo, FileInfo, Progress, TensorFile, _no_progress
 from .safetensors import (HASH_KEY, MAX_HEADER, SAFETENSORS_DTYPES, _hash_from_metadata,
                           _read_safetensors_header, read_safetensors, safetensors_header,
@@ -56,8 +56,11 @@ def file_format(path: str | os.PathLike[str]) -> str:
 
 
 def _describe_fdl(path: str) -> FileInfo:
+    # a checkpoint's data file has .fdl's framing with snapsvc's own magic and tags
+    framing = file_framing(path)
     with open_source(path) as s:
-        dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path)
+        dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path,
+                          framing=framing)
         entries = [EntryInfo(e.name, e.dtype, e.shape, e.nbytes, e.offset)
                    for e in dec.entries(load=False)]
         header = dec.header
