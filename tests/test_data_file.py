@@ -207,7 +207,8 @@ def test_keep_last_removes_data_files_and_an_overwrite_without_one_drops_it(tmp_
     with snapsvc.SnapshotWriter(tmp_path, keep_last=1) as w:
         for i in (1, 2):
             w.submit(_state(i), f"step{i}.fdl").result(timeout=60)
-        assert sorted(os.listdir(tmp_path)) == ["step2.fdl", "step2.fdl.data", "step2.fdl.meta"]
+        # the names go before the report; their data is freed just after it
+        assert [n for n in os.listdir(tmp_path) if n.startswith("step1")] == []
         assert snapsvc.checkpoint_files(tmp_path / "step2.fdl") == [
             str(tmp_path / n) for n in ("step2.fdl.meta", "step2.fdl.data", "step2.fdl")]
         w.submit({"model": nn.Linear(3, 2)}, "step2.fdl").result(timeout=60)
@@ -277,3 +278,38 @@ def test_the_data_file_joins_the_all_or_nothing_commit(tmp_path):
             flag.unlink()
             assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before, step
             assert _bits(snapsvc.load(target)["mask"]) == _bits(_state(0)["mask"]), step
+
+
+@leak_checked
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_convert_keeps_the_data_file_in_formats_that_hold_its_dtypes(tmp_path, suffix):
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(_state(), "s.fdl").result(timeout=60)
+    out = tmp_path / f"s{suffix}"
+    snapsvc.convert_file(tmp_path / "s.fdl", out)
+    from snapsvc.files.convert import read_tensors
+    got = dict(read_tensors(out).entries)
+    assert _bits(got["mask"]) == _bits(_state()["mask"]) and got["q/w"].dtype == torch.int8
+    assert "weight" in got
+    snapsvc.convert_file(tmp_path / "s.fdl", tmp_path / "copy.fdl")  # .fdl: its own entries
+    assert (tmp_path / "copy.fdl").read_bytes() == (tmp_path / "s.fdl").read_bytes()
+
+
+def test_declared_lengths_of_a_data_file_are_bounded_before_anything_is_allocated(tmp_path):
+    import struct
+    import zlib
+    from snapsvc.files.checkpoint import read_verified
+    head = datafile.MAGIC + struct.pack("<I", datafile.VERSION) + bytes(32)
+    entry = struct.pack("<I", 1) + b"m" + struct.pack("<Iq", 1, 1 << 40)  # 1 TiB of bool
+    bombs = {"entry count": head + struct.pack("<I", 0xFFFFFFFF),
+             "declares": head + struct.pack("<I", 1) + entry + struct.pack("<BQ", 1, 1 << 40),
+             "unknown dtype tag": head + struct.pack("<I", 1) + entry[:-8]
+             + struct.pack("<qBQ", 1, 99, 1),
+             "unsupported data file version": datafile.MAGIC + struct.pack("<I", 7) + bytes(36),
+             "bad magic": fdl.MAGIC + struct.pack("<I", 2) + bytes(36)}
+    for what, raw in bombs.items():
+        path = tmp_path / "x.fdl.data"
+        path.write_bytes(raw)
+        with pytest.raises(snapsvc.FormatError, match=what) as e:
+            read_verified(path, len(raw), zlib.crc32(raw), framing=datafile.DATA)
+        assert e.value.path == str(path) and e.value.offset is not None, what

@@ -38,7 +38,7 @@ from .durable import DurableFile, commit, discard, staged_write
 __all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "meta_path",
            "optim_path", "data_path", "data_owner", "checkpoint_names", "companions", "stage_meta",
            "write_with_meta", "read_meta", "parse_meta", "read_msgpack_file",
-           "unpack_msgpack_map", "read_with_data"]
+           "unpack_msgpack_map", "read_with_data", "read_data_file"]
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
@@ -135,17 +135,24 @@ def read_with_data(path: str | os.PathLike[str], meta: "Meta", *, shared_buffer:
     path = os.fspath(path)
     ckpt = read_verified(path, meta.size, meta.crc32, shared_buffer=shared_buffer,
                          pin_memory=pin_memory)
-    for c in companions(path, meta):
-        if c.role != "data file":
-            continue
-        where = os.path.join(os.path.dirname(path), c.name)
-        more = read_verified(where, c.size, c.crc32, framing=c.framing).entries
-        twice = [n for n in more if n in ckpt.entries]
-        if twice:
-            raise FormatError(f"entry {twice[0]!r} is in both the checkpoint and its data file: "
-                              "the files do not belong together", path=where)
-        ckpt.entries.update(more)
+    more = read_data_file(path, meta)
+    twice = [n for n in more if n in ckpt.entries]
+    if twice:
+        raise FormatError(f"entry {twice[0]!r} is in both the checkpoint and its data file: "
+                          "the files do not belong together", path=data_path(path))
+    ckpt.entries.update(more)
     return ckpt
+
+
+def read_data_file(path: str | os.PathLike[str], meta: "Meta") -> dict[str, torch.Tensor]:
+    """The entries of the data file ``meta`` records beside ``path`` (none without one),
+    checked against ``meta`` while read."""
+    path = os.fspath(path)
+    for c in companions(path, meta):
+        if c.role == "data file":
+            where = os.path.join(os.path.dirname(path), c.name)
+            return read_verified(where, c.size, c.crc32, framing=c.framing).entries
+    return {}
 
 
 @dataclass

@@ -76,13 +76,9 @@ def check_entries(pairs: list[tuple[str, torch.Tensor]]) -> None:
         framing = framing_of(getattr(t, "dtype", None))
         if framing is None and isinstance(t, torch.Tensor):
             raise EncodeError(f"entry {name!r}: dtype {t.dtype} cannot be stored; the .fdl takes "
-                              f"{_names(fdl.DTYPE_TO_TAG)}, the data file {_names(DTYPE_TO_TAG)}")
+                              f"{fdl.FDL.dtype_names}, the data file {DATA.dtype_names}")
         fdl.check_encodable(name, t, framing or fdl.FDL)
         if name in seen:
             raise EncodeError(f"entry {name!r} appears twice; names in one checkpoint must be "
                               "unique")
         seen.add(name)
-
-
-def _names(table: dict[torch.dtype, int]) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in table)

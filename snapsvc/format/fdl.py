@@ -94,7 +94,6 @@ TAG_TO_DTYPE: dict[int, torch.dtype] = {
 }
 
 
-
 @dataclass(frozen=True, eq=False)
 class Framing:
     """A file format in this framing: its magic, versions and dtype tags.
@@ -110,6 +109,11 @@ class Framing:
     versions: tuple[int, ...]
     dtype_to_tag: dict[torch.dtype, int]
     tag_to_dtype: dict[int, torch.dtype]
+
+    @property
+    def dtype_names(self) -> str:
+        """The dtypes it has tags for, for messages: ``"float16, bfloat16, ..."``."""
+        return ", ".join(str(d).removeprefix("torch.") for d in self.dtype_to_tag)
 
 
 FDL = Framing(".fdl", MAGIC, VERSION, SUPPORTED_VERSIONS, DTYPE_TO_TAG, TAG_TO_DTYPE)
@@ -130,10 +134,6 @@ _BATCH = 1 << 20                     # hand the batch to the writer once it hold
 _I64_MAX = (1 << 63) - 1
 # An entry's rank and shape, one compiled struct per rank.
 _SHAPES = tuple(struct.Struct(f"<I{n}q") for n in range(MAX_NDIM + 1))
-
-
-def _supported(framing: Framing) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in framing.dtype_to_tag)
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def check_encodable(name: object, tensor: object, framing: Framing = FDL) -> byt
                           "materialize the model first")
     if tensor.dtype not in framing.dtype_to_tag:
         raise EncodeError(f"entry {name!r}: dtype {tensor.dtype} has no {framing.name} tag; "
-                          f"supported dtypes are {_supported(framing)}")
+                          f"supported dtypes are {framing.dtype_names}")
     if tensor.dim() > MAX_NDIM:
         raise EncodeError(f"entry {name!r}: rank {tensor.dim()} exceeds {MAX_NDIM}")
     return raw
