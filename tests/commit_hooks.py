@@ -3,7 +3,7 @@
 ``fail_at(stage, path)`` raises ``OSError(EIO)`` at one step of a commit,
 chosen by the file ``FAULT`` in the directory being written: its text is
 ``<stage>:<file>``, stage ``fsync`` or ``rename``, file ``model``, ``optim``,
-``meta`` or ``dir`` (the directory's own fsync). Without the file it does nothing.
+``data``, ``meta`` or ``dir`` (the directory's own fsync). Without the file it does nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def _which(path: str) -> tuple[str, str]:
     if os.path.isdir(path):
         return path, "dir"
     name = os.path.basename(path)
-    kind = "meta" if ".meta" in name else "optim" if ".optim.fdl" in name else "model"
+    kind = ("meta" if ".meta" in name else "optim" if ".optim.fdl" in name
+            else "data" if ".fdl.data" in name else "model")
     return os.path.dirname(path), kind
 
 

@@ -257,7 +257,8 @@ def test_a_path_naming_a_directory_is_refused_at_submit(tmp_path, net, path):
 
 
 def test_unsupported_dtype_refused_at_submit(tmp_path, net):
-    net.register_buffer("mask", torch.zeros(3, dtype=torch.bool))
+    # neither the .fdl nor the data file takes it (a bool buffer goes to the data file)
+    net.register_buffer("mask", torch.zeros(3, dtype=torch.float8_e4m3fnuz))
     with snapsvc.SnapshotWriter(tmp_path) as w:
         with pytest.raises(snapsvc.EncodeError, match="'mask'"):
             w.submit(net, "bad.fdl")

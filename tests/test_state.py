@@ -101,7 +101,7 @@ def test_nested_state_roundtrip_exact_and_snapshot_semantics(tmp_path):
         assert_same(loaded[key], before[key], key)
     for key in plain:
         assert_same(loaded[key], plain[key], key)
-    assert loaded["rng"].dtype == torch.uint8  # kept in the metadata: .fdl has no uint8
+    assert loaded["rng"].dtype == torch.uint8  # in the data file: .fdl has no uint8
     assert snapsvc.verify(tmp_path / "gan.fdl").ok
 
 

@@ -43,7 +43,7 @@ def _cast(st: dict) -> None:
     st["exp_avg"].data = st["exp_avg"].data.double()
 
 
-def _to_bool(st: dict) -> None:  # a dtype .fdl lacks: it goes inline in the metadata
+def _to_bool(st: dict) -> None:  # a dtype .fdl lacks: it goes to the data file
     st["exp_avg"].data = st["exp_avg"].data > 0
 
 

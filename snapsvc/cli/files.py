@@ -12,9 +12,11 @@ import math
 import os
 
 from ..errors import SnapsvcError
+from ..files.checkpoint import file_framing
 from ..files.convert import FileInfo, describe_file, file_format
-from ..files.meta import META_SUFFIX, meta_path, optim_path, read_meta
+from ..files.meta import META_SUFFIX, companions, data_owner, meta_path, optim_path, read_meta
 from ..files.verify import VerifyReport
+from ..format import fdl
 from ..remote.fetch import fetched, verify
 from ..remote.listing import list_checkpoints
 from ..remote.store import is_url
@@ -55,14 +57,16 @@ def _meta_summary(path: str) -> tuple[dict | None, str | None]:
         "created": _iso(m.created),
         "created_unix": m.created if isinstance(m.created, (int, float)) else None,
         "optimizer": _optimizer_summary(getattr(m, "optimizer", None)),
+        "data": _optimizer_summary(getattr(m, "data", None)),
     }, None
 
 
 def _optimizer_summary(opt: object) -> dict | None:
-    """The optimizer file's description from the metadata, without its state."""
+    """The optimizer file's (or the data file's) description from the metadata, without
+    the optimizer's state."""
     if not isinstance(opt, dict):
         return None
-    return {k: opt.get(k) for k in ("class", "file", "entries", "size")}
+    return {k: opt[k] for k in ("class", "file", "entries", "size") if k in opt}
 
 
 def _inspect_json(info: FileInfo, meta: dict | None, meta_error: str | None) -> str:
@@ -150,8 +154,12 @@ def _inspect_text(info: FileInfo, meta: dict | None, meta_error: str | None) -> 
         ]
         opt = meta["optimizer"]
         if opt is not None:
-            lines.append(f"  optimizer: {opt['class']}, {opt['entries']} entries in "
-                         f"{opt['file']} ({opt['size']} bytes)")
+            lines.append(f"  optimizer: {opt['class']}, {opt.get('entries')} entries in "
+                         f"{opt.get('file')} ({opt['size']} bytes)")
+        data = meta["data"]
+        if data is not None:
+            lines.append(f"  data file: {data['entries']} entries in {data['file']} "
+                         f"({data['size']} bytes; inspect it for its entries)")
     return "\n".join(lines).rstrip("\n")
 
 
@@ -187,6 +195,9 @@ def _describe(path: str) -> tuple[FileInfo, dict | None, str | None]:
     except ValueError:
         kind = "fdl"  # snapsvc's own format needs no suffix; the decoder checks the magic
     info = describe_file(path, format=kind)
+    if kind == "fdl" and file_framing(path) is not fdl.FDL:  # a checkpoint's data file
+        info.format = "data"  # its checkpoint's .meta describes it
+        return info, None, None
     return (info, *(_meta_summary(path) if kind == "fdl" else (None, None)))
 
 
@@ -199,17 +210,22 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _part_of(path: str) -> tuple[str, str] | None:
-    """(checkpoint, role) when ``path`` is the metadata or the optimizer file
-    written beside a checkpoint; None for a checkpoint (or anything else)."""
+    """(checkpoint, role) when ``path`` is the metadata, the optimizer file or the
+    data file written beside a checkpoint; None for a checkpoint (or anything else)."""
     if os.path.exists(meta_path(path)):
         return None  # it has metadata of its own: a checkpoint
     if path.endswith(META_SUFFIX):
         return path[: -len(META_SUFFIX)], "metadata"
+    candidates = []
     head, sep, tail = path.rpartition(".optim")
-    owner = head + tail
-    if sep and optim_path(owner) == path and (os.path.exists(owner)
-                                              or os.path.exists(meta_path(owner))):
-        return owner, "optimizer file"
+    if sep and optim_path(head + tail) == path:
+        candidates.append((head + tail, "optimizer file"))
+    owner = data_owner(path)
+    if owner is not None:
+        candidates.append((owner, "data file"))
+    for owner, role in candidates:
+        if os.path.exists(owner) or os.path.exists(meta_path(owner)):
+            return owner, role
     return None
 
 
@@ -275,16 +291,19 @@ def _verify_part(path: str, role: str, report: VerifyReport, no_meta: bool
     """The lines for a metadata or optimizer file whose checkpoint gave ``report``, and
     whether it passed. It passes with its checkpoint, when the checkpoint checked it."""
     owner = report.path
-    if role == "optimizer file":
+    if role in ("optimizer file", "data file"):
         if report.meta is None:
             if no_meta:  # no metadata vouches for it: check its structure on its own
                 alone = verify(path, require_meta=False)
                 return [str(alone)], alone.ok
         else:
-            opt = report.meta.optimizer
-            named = opt.get("file") if isinstance(opt, dict) else None
+            try:
+                named = next((c.name for c in companions(owner, report.meta)
+                              if c.role == role), None)
+            except SnapsvcError:  # verify listed it among the checkpoint's problems
+                named = None
             if named != os.path.basename(path):
-                return [f"{path}: FAILED: not the optimizer file of {owner} (its metadata "
+                return [f"{path}: FAILED: not the {role} of {owner} (its metadata "
                         f"names {named or 'none'}): a leftover of an earlier write?"], False
     if report.ok:
         return [f"{path}: OK, checked as the {role} of {owner}"], True

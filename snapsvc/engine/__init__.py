@@ -17,7 +17,8 @@ Data flow between the two processes::
       | book.add: seq, pending handle; claim[k] = seq
       | dispatch: req socket {WRITE seq, k, path, body, --> a new layout: new headers (encoder
       |   layout if k's changed}                          cache per slot); claim k (or skip)
-      v return WriteHandle                         encode .fdl(.gz) from slot k
+      v return WriteHandle                         encode .fdl(.gz) from slot k (and
+                                                   .fdl.data: dtypes .fdl has no tag for)
                                                    temp file -> fsync -> rename -> .meta
                                                    remote=: its uploader thread copies the
                                                    files, .meta last ({UPLOADED seq, url})

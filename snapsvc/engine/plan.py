@@ -21,7 +21,7 @@ from ..errors import EncodeError, PathError
 from ..files.checkpoint import layout_hash, persistent_buffers
 from ..files.durable import check_final_name
 from ..files.meta import meta_path, optim_path
-from ..format import fdl, kinds, protocol
+from ..format import datafile, fdl, kinds, protocol
 from ..format.layout import Layout
 from ..state.resume import optimizer_state
 from ..state.tree import Flat, WalkMemo, flatten, model_extra_states
@@ -57,8 +57,8 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
     model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
     if not checked:  # a state's walk ran the same check, naming key paths
         # Refused whatever pool a same-shaped snapshot made before; the optimizer
-        # state is a file of its own. The sidecar's encoder runs the same check.
-        fdl.check_entries(model_pairs)
+        # state is a file of its own. The sidecar's encoders run the same checks.
+        datafile.check_entries(model_pairs)   # dtypes .fdl lacks go to the data file
         fdl.check_entries(list(optim))
     pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)

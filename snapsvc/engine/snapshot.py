@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..errors import EncodeError, FormatError, UnsupportedStateError
-from ..files.checkpoint import layout_hash, persistent_buffers, read_verified
-from ..files.meta import Meta, read_meta, write_with_meta
-from ..format import fdl
+from ..files.checkpoint import layout_hash, persistent_buffers
+from ..files.meta import Meta, read_meta, read_with_data, write_with_meta
+from ..format import datafile, fdl
 from ..format.layout import Layout
 from . import staging
 
@@ -42,11 +42,15 @@ class ModelSnapshot:
         fdl.encode(fileobj, self.entries())
 
     def save_file(self, path: str | os.PathLike[str], *, compress_level: int | None = None) -> None:
-        """Write durably to ``path`` (gzip on ``.gz``), then its metadata."""
-        write_with_meta(path, self.entries(),
+        """Write durably to ``path`` (gzip on ``.gz``; a bool buffer, say, to its data
+        file), then its metadata."""
+        entries = self.entries()
+        rest = [(n, t) for n, t in entries if t.dtype not in fdl.DTYPE_TO_TAG]
+        write_with_meta(path, [(n, t) for n, t in entries if t.dtype in fdl.DTYPE_TO_TAG],
                         Meta(buffers=list(self.buffers), epoch=self.epoch,
                              metrics=dict(self.metrics)),
-                        compress_level=compress_level)
+                        compress_level=compress_level,
+                        data=fdl.Encoder(rest, framing=datafile.DATA) if rest else None)
 
 
 def model_sources(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]],
@@ -98,9 +102,9 @@ def load_snapshot(path: str | os.PathLike[str]) -> ModelSnapshot:
     a mismatch is a :class:`FormatError`.
     """
     meta = read_meta(path)
-    ckpt = read_verified(path, meta.size, meta.crc32)
+    ckpt = read_with_data(path, meta)  # a bool buffer, say, is in the data file
     unknown = [b for b in meta.buffers if b not in ckpt.entries]
-    if unknown or meta.entries != len(ckpt.entries):
+    if unknown or meta.entries + ((meta.data or {}).get("entries") or 0) != len(ckpt.entries):
         raise FormatError(f"metadata does not describe this checkpoint (it lists {meta.entries} "
                           f"entries and buffers {unknown[:3]} the file lacks)",
                           path=os.fspath(path))

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..files.durable import set_aside, unlink_quietly
-from ..files.meta import Meta, meta_path, optim_path, write_with_meta
-from ..format import fdl, kinds, protocol
+from ..files.meta import Meta, checkpoint_names, data_path, optim_path, write_with_meta
+from ..format import datafile, fdl, kinds, protocol
 from ..format.layout import BUFFER, Layout, OPTIM
 from ..remote.upload import UploadJob, Uploader
 from . import staging
@@ -42,12 +42,15 @@ class Encoders:
         views = staging.views(torch.frombuffer(memory, dtype=torch.uint8), layout)
         # Headers packed and entries checked once, here.
         hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
-        self.model = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                  if s.kind != OPTIM], structural_hash=hash_)
-        self.optim = fdl.Encoder([(s.name, t) for s, t in zip(layout.specs, views)
-                                  if s.kind == OPTIM])
+        pairs = list(zip(layout.specs, views))
+        self.model = fdl.Encoder([(s.name, t) for s, t in pairs
+                                  if s.kind != OPTIM and not s.in_data_file],
+                                 structural_hash=hash_)
+        self.optim = fdl.Encoder([(s.name, t) for s, t in pairs if s.kind == OPTIM])
+        # the tensors .fdl has no tag for, in a file of their own; None when there are none
+        rest = [(s.name, t) for s, t in pairs if s.in_data_file]
+        self.data = fdl.Encoder(rest, framing=datafile.DATA) if rest else None
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
-
 
 
 def _series(path: str) -> tuple[str, str]:
@@ -150,16 +153,22 @@ class Files:
         up = self.uploader
         for old in [p for p in mine[:-self.keep_last] if up is None or not up.pending(p)]:
             mine.remove(old)
-            for p in (meta_path(old), optim_path(old), old):  # metadata first: it vouches for the rest
-                aside = set_aside(p)
-                try:
-                    os.unlink(p)
+            for p in checkpoint_names(old):  # metadata first: it vouches for the rest
+                if self.discard(p, trash):
                     removed.append(p)
-                except FileNotFoundError:
-                    pass
-                if aside is not None:
-                    trash.append(aside)
         return removed
+
+    @staticmethod
+    def discard(path: str, trash: list[str]) -> bool:
+        """Remove ``path`` if it exists, its data freed later through ``trash``."""
+        aside = set_aside(path)
+        if aside is not None:
+            trash.append(aside)
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     def write(self, enc: Encoders, msg: dict[str, Any], base: dict[str, Any],
               trash: list[str]) -> dict[str, Any]:
@@ -179,7 +188,9 @@ class Files:
             with self.lock:
                 stats = write_with_meta(path, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,
-                                        trash=trash)
+                                        data=enc.data, trash=trash)
+                if enc.data is None:  # a data file an older checkpoint of this name left
+                    self.discard(data_path(path), trash)
                 removed = self.prune(path, trash)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)

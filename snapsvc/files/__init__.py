@@ -4,7 +4,7 @@ What each module holds::
 
     durable.py     temp file -> fsync -> rename -> directory fsync; stale temps; fault hooks
     checkpoint.py  one .fdl file: save, read, read_verified, load into a model, migrate
-    meta.py        the .meta file beside a checkpoint, and its derived names
+    meta.py        the .meta file beside a checkpoint; every file name of a checkpoint
     verify.py      check a checkpoint and its companions without loading them
     convert.py     .fdl <-> .safetensors <-> .pt
 

@@ -24,7 +24,7 @@ from torch import nn
 from isal import isal_zlib
 
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
-from ..format import fdl
+from ..format import datafile, fdl
 from .durable import DurableFile, commit, staged_write
 from ..format.streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, gzip_writer,
                       is_gzip_path, open_source)
@@ -40,6 +40,7 @@ __all__ = [
     "read_verified",
     "checkpoint_keys",
     "checkpoint_version",
+    "file_framing",
     "migrate_checkpoint",
     "structural_hash",
     "layout_hash",
@@ -230,7 +231,7 @@ def read_checkpoint(src: PathOrFile) -> Checkpoint:
 
 def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
                   shared_buffer: bool = False, pin_memory: bool = False,
-                  recorded_in: str = "metadata") -> Checkpoint:
+                  recorded_in: str = "metadata", framing: fdl.Framing = fdl.FDL) -> Checkpoint:
     """Decode ``path`` (plain or gzip), checking in the same pass that the file
     on disk has ``size`` bytes and CRC-32 ``crc32``, as recorded when it was
     written (``recorded_in`` names the record in errors: "metadata", "manifest").
@@ -250,13 +251,14 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
     such entries out, do not keep them. ``pin_memory`` (with
     ``shared_buffer``) reads the file into one page-locked buffer instead, so
     copies to a CUDA device with ``non_blocking=True`` are direct DMA.
+    ``framing``: the file's format (a data file: :data:`snapsvc.format.datafile.DATA`).
     """
     path = os.fspath(path)
     if not (isinstance(size, int) and isinstance(crc32, int)):
         raise FormatError(f"the {recorded_in} records size {size!r} and crc32 {crc32!r}, "
                           "not integers", path=path)
     if shared_buffer and not pin_memory:
-        mapped = _read_mapped(path, size, crc32, recorded_in)
+        mapped = _read_mapped(path, size, crc32, recorded_in, framing)
         if mapped is not None:
             return mapped
     with open_source(path, checksum=True) as s:
@@ -264,8 +266,10 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
         assert tap is not None and s.file_size is not None
         _check_size(path, s.file_size, size, recorded_in)
         if shared_buffer and not s.gzip:
-            return _read_shared(path, s.stream, tap, size, crc32, pin_memory, recorded_in)
-        dec = fdl.Decoder(s.stream, size=s.size, path=path)  # not seekable: every byte is read
+            return _read_shared(path, s.stream, tap, size, crc32, pin_memory, recorded_in,
+                                framing)
+        # not seekable: every byte is read
+        dec = fdl.Decoder(s.stream, size=s.size, path=path, framing=framing)
         try:
             entries = {e.name: e.tensor for e in dec.entries()}
         except FormatError as e:
@@ -320,7 +324,7 @@ def _file_buffer(size: int, pin_memory: bool) -> tuple[Any, memoryview]:
 
 
 def _read_shared(path: str, stream: BinaryIO, tap: CrcReader, size: int, crc32: int,
-                 pin_memory: bool, recorded_in: str) -> Checkpoint:
+                 pin_memory: bool, recorded_in: str, framing: fdl.Framing) -> Checkpoint:
     """``read_verified(shared_buffer=True)`` of a plain file: read and check it
     whole, then decode the structure from memory."""
     buf, view = _file_buffer(size, pin_memory)
@@ -332,7 +336,7 @@ def _read_shared(path: str, stream: BinaryIO, tap: CrcReader, size: int, crc32: 
         done += n
     tap.drain()
     _check_file(path, tap, size, crc32, recorded_in)
-    return _entries_in(path, buf, view, size)
+    return _entries_in(path, buf, view, size, framing)
 
 
 def _libc_mincore() -> Callable[[int, int, Any], int] | None:
@@ -359,7 +363,8 @@ def _resident(buf: mmap.mmap, size: int) -> bool:
     return bool(torch.frombuffer(pages, dtype=torch.uint8).bitwise_and(1).all())
 
 
-def _read_mapped(path: str, size: int, crc32: int, recorded_in: str) -> Checkpoint | None:
+def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
+                 framing: fdl.Framing) -> Checkpoint | None:
     """``read_verified(shared_buffer=True)`` of a plain file already in the
     page cache, through a private mapping of it: the data is never copied
     into a buffer before it reaches its tensor, and there is no fresh buffer
@@ -394,13 +399,14 @@ def _read_mapped(path: str, size: int, crc32: int, recorded_in: str) -> Checkpoi
     for at in range(0, size, CRC_PIECE):
         seen = isal_zlib.crc32(view[at:at + CRC_PIECE], seen)
     _check_file(path, (size, seen), size, crc32, recorded_in)
-    return _entries_in(path, buf, view, size)
+    return _entries_in(path, buf, view, size, framing)
 
 
-def _entries_in(path: str, buf: Any, view: memoryview, size: int) -> Checkpoint:
+def _entries_in(path: str, buf: Any, view: memoryview, size: int,
+                framing: fdl.Framing) -> Checkpoint:
     """Decode a whole, checked file held in ``buf``: each entry a view of it."""
     reader = MemoryReader(view)
-    dec = fdl.Decoder(reader, size=size, seekable=True, path=path)
+    dec = fdl.Decoder(reader, size=size, seekable=True, path=path, framing=framing)
     entries: dict[str, torch.Tensor] = {}
     for e in dec.entries(load=False):  # bounds checked; data skipped by seeking
         numel = e.nbytes // e.dtype.itemsize
@@ -418,6 +424,14 @@ def checkpoint_keys(src: PathOrFile) -> list[str]:
     with open_source(src) as s:
         dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path)
         return [e.name for e in dec.entries(load=False)]
+
+
+def file_framing(path: str | os.PathLike[str]) -> fdl.Framing:
+    """Which format in ``.fdl``'s framing the file at ``path`` is, by its magic
+    (plain or gzip): a data file (:data:`snapsvc.format.datafile.DATA`), else ``.fdl``
+    (whose decoder then names a bad magic)."""
+    with open_source(path) as s:
+        return datafile.DATA if s.stream.read(4) == datafile.MAGIC else fdl.FDL
 
 
 def checkpoint_version(src: PathOrFile) -> int:

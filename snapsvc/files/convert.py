@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 import os
 
+from ..errors import FormatError
 from ..format import fdl
 from ..format.streams import open_source
-from .checkpoint import save_checkpoint
+from .checkpoint import file_framing, save_checkpoint
+from .meta import meta_path, read_data_file, read_meta
 from .tensors import EntryInfo, FileInfo, Progress, TensorFile, _no_progress
 from .safetensors import (HASH_KEY, MAX_HEADER, SAFETENSORS_DTYPES, _hash_from_metadata,
                           _read_safetensors_header, read_safetensors, safetensors_header,
@@ -56,8 +58,11 @@ def file_format(path: str | os.PathLike[str]) -> str:
 
 
 def _describe_fdl(path: str) -> FileInfo:
+    # a checkpoint's data file has .fdl's framing with snapsvc's own magic and tags
+    framing = file_framing(path)
     with open_source(path) as s:
-        dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path)
+        dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path,
+                          framing=framing)
         entries = [EntryInfo(e.name, e.dtype, e.shape, e.nbytes, e.offset)
                    for e in dec.entries(load=False)]
         header = dec.header
@@ -151,17 +156,40 @@ def write_tensors(path: str | os.PathLike[str], tf: TensorFile, *,
     progress("writing", total, total)
 
 
+def _add_data_file(src: str, dst: str, dst_kind: str, tf: TensorFile) -> None:
+    """A snapsvc checkpoint's data file (tensors of dtypes .fdl has no tag for), checked
+    against its metadata, goes after its entries into a .safetensors or .pt ``dst``."""
+    try:
+        meta = read_meta(src)
+    except FormatError as e:  # the .fdl converts without it, as before the data file
+        log.warning("%s: its metadata is unreadable (%s); converting the .fdl alone",
+                    src, e.reason)
+        return
+    more = read_data_file(src, meta)
+    if not more:
+        return
+    if dst_kind == "fdl":  # .fdl cannot hold them: the .fdl is converted as it is
+        log.info("%s: the %d entries of %s's data file (dtypes .fdl has no tag for) are not "
+                 "kept in .fdl; convert to .safetensors or .pt to keep them", dst, len(more), src)
+        return
+    tf.entries = [*tf.entries, *more.items()]
+
+
 def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             progress: Progress | None = None) -> TensorFile:
     """Convert ``src`` to ``dst``, formats chosen by suffix; returns what was read.
 
-    Tensors are copied bit for bit, in order. ``dst`` is written atomically:
+    Tensors are copied bit for bit, in order; a snapsvc checkpoint's data file
+    (``x.fdl.data``) follows its entries into ``.safetensors`` or ``.pt``. ``dst``
+    is written atomically:
     when a tensor cannot go into ``dst``'s format (say a bool tensor into
     ``.fdl``) :class:`EncodeError` names it and ``dst`` is not touched.
     """
     src, dst = os.fspath(src), os.fspath(dst)
     src_kind, dst_kind = file_format(src), file_format(dst)
     tf = read_tensors(src, progress=progress)
+    if src_kind == "fdl" and os.path.exists(meta_path(src)):
+        _add_data_file(src, dst, dst_kind, tf)
     if tf.structural_hash and dst_kind == "pt":
         log.info("%s: the structural hash %s is not kept in .pt", dst, tf.structural_hash)
     extra = {k: v for k, v in tf.metadata.items() if k != HASH_KEY}

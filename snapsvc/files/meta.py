@@ -1,9 +1,15 @@
 """The metadata sidecar written beside each checkpoint: ``<checkpoint>.meta``.
 
 A msgpack map that says what the ``.fdl`` alone cannot: epoch and metrics,
-which entries are buffers, and the size and CRC-32 of the checkpoint file so
+which entries are buffers, and the size and CRC-32 of the checkpoint file (and
+of its optimizer file and data file, when it has them) so
 :func:`snapsvc.verify` can detect corruption. flodl ignores it and loads the
 ``.fdl`` on its own.
+
+A checkpoint's files (:func:`checkpoint_names`): the metadata, the optimizer
+file (``x.optim.fdl``), the data file (``x.fdl.data``: tensors of dtypes
+``.fdl`` has no tag for, :mod:`snapsvc.format.datafile`) and the checkpoint.
+Every reader, ``verify``, rotation, upload and fetch learns them from here.
 
 Order of writes: the checkpoint is renamed into place (durably) *before* its
 metadata is written. A checkpoint without metadata is therefore an unfinished
@@ -24,13 +30,15 @@ import torch
 from isal import isal_zlib
 
 from ..errors import CheckpointNotFoundError, FormatError
-from ..format import fdl, kinds
+from ..format import datafile, fdl, kinds
 from ..format.protocol import MAX_METADATA, pack_value, unpack_value
-from .checkpoint import FileStats, stage_checkpoint_file
+from .checkpoint import Checkpoint, FileStats, read_verified, stage_checkpoint_file
 from .durable import DurableFile, commit, discard, staged_write
 
-__all__ = ["META_SUFFIX", "META_VERSION", "Meta", "meta_path", "optim_path", "stage_meta", "write_with_meta",
-           "read_meta", "parse_meta", "read_msgpack_file", "unpack_msgpack_map"]
+__all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "meta_path",
+           "optim_path", "data_path", "data_owner", "checkpoint_names", "companions", "stage_meta",
+           "write_with_meta", "read_meta", "parse_meta", "read_msgpack_file",
+           "unpack_msgpack_map", "read_with_data", "read_data_file"]
 
 META_SUFFIX = ".meta"
 META_MAGIC = "snapsvc-meta"
@@ -58,6 +66,95 @@ def optim_path(path: str | os.PathLike[str]) -> str:
     return path + ".optim"
 
 
+DATA_SUFFIX = ".data"
+
+
+def data_path(path: str | os.PathLike[str]) -> str:
+    """``x.fdl`` -> ``x.fdl.data``; ``x.fdl.gz`` -> ``x.fdl.data.gz`` (gzip like its checkpoint).
+    As long as the ``.meta`` name, so a path whose metadata fits fits too."""
+    path = os.fspath(path)
+    if path.endswith(".gz"):
+        return path[: -len(".gz")] + DATA_SUFFIX + ".gz"
+    return path + DATA_SUFFIX
+
+
+def data_owner(path: str | os.PathLike[str]) -> str | None:
+    """The checkpoint whose data file ``path`` would be (:func:`data_path`'s inverse), or None."""
+    path = os.fspath(path)
+    for suffix, back in ((DATA_SUFFIX + ".gz", ".gz"), (DATA_SUFFIX, "")):
+        if path.endswith(suffix) and len(path) > len(suffix):
+            return path[: -len(suffix)] + back
+    return None
+
+
+def checkpoint_names(path: str | os.PathLike[str]) -> list[str]:
+    """Every name a checkpoint at ``path`` may have files under, metadata first:
+    removing them in this order never leaves a checkpoint that looks whole."""
+    path = os.fspath(path)
+    return [meta_path(path), optim_path(path), data_path(path), path]
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A file beside the checkpoint that its metadata vouches for."""
+
+    role: str                 # "optimizer file" or "data file"
+    name: str                 # its file name, in the checkpoint's directory
+    size: Any                 # as recorded (checked by whoever reads the file)
+    crc32: Any
+    entries: Any
+    framing: fdl.Framing
+
+
+def companions(path: str | os.PathLike[str], meta: "Meta") -> list[Companion]:
+    """The files beside the checkpoint at ``path`` that ``meta`` records: the
+    optimizer file, then the data file. A recorded name that is not a file name
+    in the checkpoint's directory is a FormatError naming the metadata."""
+    out = []
+    for role, record, default, framing in (
+            ("optimizer file", meta.optimizer, optim_path(path), fdl.FDL),  # may lack "file"
+            ("data file", meta.data, data_path(path), datafile.DATA)):
+        if not record:
+            continue
+        name = record.get("file") or os.path.basename(default)
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise FormatError(f"the metadata names the {role} {name!r}, not a file name",
+                              path=meta_path(path))
+        out.append(Companion(role, name, record.get("size"), record.get("crc32"),
+                             record.get("entries"), framing))
+    return out
+
+
+def read_with_data(path: str | os.PathLike[str], meta: "Meta", *, shared_buffer: bool = False,
+                   pin_memory: bool = False) -> Checkpoint:
+    """The checkpoint at ``path`` with its data file's entries after its own (when
+    ``meta`` records one), each file checked against ``meta`` while read (see
+    :func:`~snapsvc.files.checkpoint.read_verified`; ``shared_buffer`` and
+    ``pin_memory`` apply to the checkpoint file). An entry in both files is a
+    FormatError: they do not belong together."""
+    path = os.fspath(path)
+    ckpt = read_verified(path, meta.size, meta.crc32, shared_buffer=shared_buffer,
+                         pin_memory=pin_memory)
+    more = read_data_file(path, meta)
+    twice = [n for n in more if n in ckpt.entries]
+    if twice:
+        raise FormatError(f"entry {twice[0]!r} is in both the checkpoint and its data file: "
+                          "the files do not belong together", path=data_path(path))
+    ckpt.entries.update(more)
+    return ckpt
+
+
+def read_data_file(path: str | os.PathLike[str], meta: "Meta") -> dict[str, torch.Tensor]:
+    """The entries of the data file ``meta`` records beside ``path`` (none without one),
+    checked against ``meta`` while read."""
+    path = os.fspath(path)
+    for c in companions(path, meta):
+        if c.role == "data file":
+            where = os.path.join(os.path.dirname(path), c.name)
+            return read_verified(where, c.size, c.crc32, framing=c.framing).entries
+    return {}
+
+
 @dataclass
 class Meta:
     format_version: int = fdl.VERSION
@@ -77,11 +174,16 @@ class Meta:
     state: Any = None
     # a model submit's get_extra_state() values by state_dict key; None when none
     extra_state: dict[str, Any] | None = None
+    # "file", "size", "crc32", "entries" of the data file (tensors .fdl has no tag
+    # for); None when the checkpoint has none
+    data: dict[str, Any] | None = None
 
 
 def stage_meta(checkpoint: str | os.PathLike[str], meta: Meta) -> DurableFile:
     """``meta`` in a fsynced temp file beside ``checkpoint``, to be committed after it."""
     values = {f: getattr(meta, f) for f in Meta.__dataclass_fields__}
+    if values["data"] is None:  # absent without a data file: such metadata is as before
+        del values["data"]
     trees, records = kinds.split({r: values[r] for r in _TREES})
     values.update(trees)
     if records:   # absent when every map is a plain dict: such files are as before
@@ -101,12 +203,15 @@ def write_with_meta(path: str | os.PathLike[str],
                     entries: list[tuple[str, torch.Tensor]] | fdl.Encoder, meta: Meta, *,
                     compress_level: int | None = None,
                     optim: tuple[str, list[tuple[str, torch.Tensor]] | fdl.Encoder] | None = None,
+                    data: fdl.Encoder | None = None,
                     trash: list[str] | None = None) -> FileStats:
-    """Write a checkpoint, optionally its optimizer file, and its metadata.
+    """Write a checkpoint, optionally its optimizer file and data file, and its metadata.
 
     All are staged (temp file, fsync), then renamed in the order checkpoint,
-    optimizer file, metadata. ``meta``'s size, checksum, entry count and
-    version are filled in here; ``optim`` is (path, entries) and its
+    optimizer file, data file, metadata: the metadata, last, commits them all.
+    ``meta``'s size, checksum, entry count and version are filled in here, and
+    ``meta.data`` from ``data`` (an encoder of the data file's framing, written
+    to :func:`data_path`); ``optim`` is (path, entries) and its
     description must already be in ``meta.optimizer``. Entries may come as an
     :class:`~snapsvc.format.fdl.Encoder` built once (the sidecar's slots); the
     checkpoint's must then carry ``meta.structural_hash``. A failure at any
@@ -132,6 +237,13 @@ def write_with_meta(path: str | os.PathLike[str],
             meta = replace(meta, optimizer={**(meta.optimizer or {}),
                                             "file": os.path.basename(opath), "size": of.size,
                                             "crc32": of.crc32, "entries": oenc.count})
+        if data is not None:
+            dpath = data_path(path)
+            df, _, d_encode_s = stage_checkpoint_file(dpath, data, compress_level=compress_level)
+            staged.append(df)
+            encode_s += d_encode_s
+            meta = replace(meta, data={"file": os.path.basename(dpath), "size": df.size,
+                                       "crc32": df.crc32, "entries": data.count})
         staged.append(stage_meta(path, meta))
     except BaseException:
         discard(*staged)
@@ -272,6 +384,14 @@ def _optimizer(v: Any) -> str | None:
     return None
 
 
+def _data(v: Any) -> str | None:
+    return _check(v is None or (type(v) is dict and type(v.get("file")) is str
+                                and _is_int(v.get("size"), 0)
+                                and _is_int(v.get("crc32"), 0, 0xFFFFFFFF)
+                                and _is_int(v.get("entries"), 0)),
+                  "None or a map with file, size, crc32 and entries")
+
+
 _FIELDS: dict[str, Any] = {
     "format_version": lambda v: _check(_is_int(v), "an int"),
     "size": lambda v: _check(_is_int(v, 0), "a byte count"),
@@ -292,6 +412,7 @@ _FIELDS: dict[str, Any] = {
     "extra_state": lambda v: _check(v is None or (type(v) is dict
                                                   and all(type(k) is str for k in v)),
                                     "None or a map of state_dict keys to values"),
+    "data": _data,
 }
 
 

@@ -16,7 +16,8 @@ from typing import Any
 from ..errors import FormatError
 from ..format import fdl
 from ..format.streams import open_source
-from .meta import Meta, optim_path, read_meta
+from .checkpoint import file_framing
+from .meta import Meta, companions, read_meta
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -43,13 +44,14 @@ class VerifyReport:
         return "\n".join(self.problems)
 
 
-def _scan(path: str, problems: list[str]) -> tuple[int, int, int, fdl.Header | None]:
+def _scan(path: str, problems: list[str], framing: fdl.Framing = fdl.FDL
+          ) -> tuple[int, int, int, fdl.Header | None]:
     """Decode ``path``'s structure and checksum every byte: (size, crc32, entries, header)."""
     entries, header = 0, None
     try:
         with open_source(path, checksum=True) as s:
             assert s.tap is not None
-            dec = fdl.Decoder(s.stream, size=s.size, path=path)
+            dec = fdl.Decoder(s.stream, size=s.size, path=path, framing=framing)
             try:
                 entries = sum(1 for _ in dec.entries(load=False))
                 header = dec.header
@@ -73,7 +75,7 @@ def _compare(what: str, size: int, crc: int, expected: dict[str, Any], problems:
 
 def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> VerifyReport:
     """Check the structure of ``path`` and, from its metadata, its size and checksum
-    (and those of the optimizer file written beside it, if any).
+    (and those of the optimizer file and data file written beside it, if any).
 
     A missing metadata file is a problem (an unfinished write) unless
     ``require_meta=False``; a missing ``path`` is "no such file". Never raises
@@ -93,7 +95,11 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
     except FormatError as e:
         if require_meta or os.path.exists(path + ".meta"):
             problems.append(str(e))
-    report.size, report.crc32, report.entries, header = _scan(path, problems)
+    try:  # given on its own (require_meta=False), a data file is read as one
+        framing = fdl.FDL if report.meta is not None else file_framing(path)
+    except OSError:
+        framing = fdl.FDL  # _scan says why it cannot be read
+    report.size, report.crc32, report.entries, header = _scan(path, problems, framing)
     meta = report.meta
     if meta is None:
         return report
@@ -106,8 +112,15 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
                 and meta.structural_hash != file_hash:
             problems.append(f"{path}: structural hash {file_hash}, metadata says "
                             f"{meta.structural_hash}")
-    if meta.optimizer:
-        opath = optim_path(path)
-        size, crc, _, _ = _scan(opath, problems)
-        _compare(opath, size, crc, meta.optimizer, problems)
+    try:
+        beside = companions(path, meta)
+    except FormatError as e:
+        problems.append(str(e))
+        beside = []
+    for c in beside:
+        cpath = os.path.join(os.path.dirname(path), c.name)
+        size, crc, count, header = _scan(cpath, problems, c.framing)
+        _compare(cpath, size, crc, {"size": c.size, "crc32": c.crc32}, problems)
+        if header is not None and c.entries is not None and c.entries != count:
+            problems.append(f"{cpath}: {count} entries, metadata says {c.entries}")
     return report

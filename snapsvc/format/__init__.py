@@ -3,6 +3,7 @@
 What each module holds::
 
     fdl.py        flodl's .fdl format: dtype tables, Encoder, Decoder (no files, no threads)
+    datafile.py   the data file: .fdl's framing, snapsvc's tags for the dtypes .fdl lacks
     protocol.py   msgpack values (tuples, int keys, tensors refs) and the sidecar's messages
     kinds.py      Counter / OrderedDict / defaultdict: a table beside a plain msgpack tree
     bounded.py    the msgpack reader for untrusted bytes: no recursion, nesting and memory bounded

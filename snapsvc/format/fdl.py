@@ -52,6 +52,8 @@ __all__ = [
     "HASH_LEN",
     "DTYPE_TO_TAG",
     "TAG_TO_DTYPE",
+    "Framing",
+    "FDL",
     "MAX_NAME_LEN",
     "MAX_NDIM",
     "shape_problem",
@@ -91,6 +93,31 @@ TAG_TO_DTYPE: dict[int, torch.dtype] = {
     6: torch.int64,
 }
 
+
+@dataclass(frozen=True, eq=False)
+class Framing:
+    """A file format in this framing: its magic, versions and dtype tags.
+
+    ``.fdl`` is :data:`FDL`; snapsvc's data file (:mod:`snapsvc.format.datafile`)
+    uses the same framing with a magic and tag table of its own. ``name``
+    names the format in errors.
+    """
+
+    name: str
+    magic: bytes
+    version: int
+    versions: tuple[int, ...]
+    dtype_to_tag: dict[torch.dtype, int]
+    tag_to_dtype: dict[int, torch.dtype]
+
+    @property
+    def dtype_names(self) -> str:
+        """The dtypes it has tags for, for messages: ``"float16, bfloat16, ..."``."""
+        return ", ".join(str(d).removeprefix("torch.") for d in self.dtype_to_tag)
+
+
+FDL = Framing(".fdl", MAGIC, VERSION, SUPPORTED_VERSIONS, DTYPE_TO_TAG, TAG_TO_DTYPE)
+
 # Limits a real checkpoint never reaches; they stop a hostile header from
 # asking for absurd work when the stream's length is unknown (gzip).
 MAX_NAME_LEN = 1 << 20
@@ -107,10 +134,6 @@ _BATCH = 1 << 20                     # hand the batch to the writer once it hold
 _I64_MAX = (1 << 63) - 1
 # An entry's rank and shape, one compiled struct per rank.
 _SHAPES = tuple(struct.Struct(f"<I{n}q") for n in range(MAX_NDIM + 1))
-
-
-def _supported() -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in DTYPE_TO_TAG)
 
 
 @dataclass(frozen=True)
@@ -169,7 +192,7 @@ def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
     return None
 
 
-def check_encodable(name: object, tensor: object) -> bytes:
+def check_encodable(name: object, tensor: object, framing: Framing = FDL) -> bytes:
     """Return ``name`` as UTF-8, or raise :class:`EncodeError` saying why not."""
     if not isinstance(name, str):
         raise EncodeError(f"entry name {name!r} is not a str")
@@ -191,21 +214,21 @@ def check_encodable(name: object, tensor: object) -> bytes:
     if tensor.is_meta:
         raise EncodeError(f"entry {name!r}: a meta tensor has no data to write; "
                           "materialize the model first")
-    if tensor.dtype not in DTYPE_TO_TAG:
-        raise EncodeError(f"entry {name!r}: dtype {tensor.dtype} has no .fdl tag; "
-                          f"supported dtypes are {_supported()}")
+    if tensor.dtype not in framing.dtype_to_tag:
+        raise EncodeError(f"entry {name!r}: dtype {tensor.dtype} has no {framing.name} tag; "
+                          f"supported dtypes are {framing.dtype_names}")
     if tensor.dim() > MAX_NDIM:
         raise EncodeError(f"entry {name!r}: rank {tensor.dim()} exceeds {MAX_NDIM}")
     return raw
 
 
-def check_entries(pairs: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+def check_entries(pairs: list[tuple[str, torch.Tensor]], framing: Framing = FDL) -> list[bytes]:
     """The UTF-8 names of ``pairs``, or :class:`EncodeError`: an entry that
     cannot be written, or a name twice (names in one file must be unique)."""
     raw_names = []
     seen: set[str] = set()
     for name, t in pairs:
-        raw_names.append(check_encodable(name, t))
+        raw_names.append(check_encodable(name, t, framing))
         if name in seen:
             raise EncodeError(f"entry {name!r} appears twice; names in one file must be unique")
         seen.add(name)
@@ -220,10 +243,10 @@ def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
     return total
 
 
-def _entry_header(raw_name: bytes, t: torch.Tensor) -> bytes:
+def _entry_header(raw_name: bytes, t: torch.Tensor, tags: dict[torch.dtype, int]) -> bytes:
     """An entry's bytes before its data: name length, name, rank, shape, tag, byte count."""
     return b"".join((_U32.pack(len(raw_name)), raw_name, _SHAPES[t.dim()].pack(t.dim(), *t.shape),
-                     _TAG_NBYTES.pack(DTYPE_TO_TAG[t.dtype], t.numel() * t.element_size())))
+                     _TAG_NBYTES.pack(tags[t.dtype], t.numel() * t.element_size())))
 
 
 class Encoder:
@@ -244,9 +267,9 @@ class Encoder:
     """
 
     def __init__(self, entries: Iterable[tuple[str, torch.Tensor]], *,
-                 structural_hash: bytes | None = None) -> None:
+                 structural_hash: bytes | None = None, framing: Framing = FDL) -> None:
         pairs = list(entries)
-        raw_names = check_entries(pairs)
+        raw_names = check_entries(pairs, framing)
         if structural_hash is None:
             structural_hash = bytes(HASH_LEN)
         if len(structural_hash) != HASH_LEN:
@@ -256,10 +279,11 @@ class Encoder:
         self.count = len(pairs)
         # Every header, and each small tensor's place after it, as a list of
         # batches: (pieces for torch.cat, bytes), then a large tensor or None.
-        headers = bytearray(_HEADER.pack(MAGIC, VERSION, bytes(structural_hash), len(pairs)))
+        headers = bytearray(_HEADER.pack(framing.magic, framing.version, bytes(structural_hash),
+                                         len(pairs)))
         marks = [0]  # where each entry's header ends in ``headers``
         for raw, (_, t) in zip(raw_names, pairs):
-            headers += _entry_header(raw, t)
+            headers += _entry_header(raw, t, framing.dtype_to_tag)
             marks.append(len(headers))
         self._headers = torch.frombuffer(headers, dtype=torch.uint8)
         self._steps: list[tuple[list[torch.Tensor], int, torch.Tensor | None]] = []
@@ -324,7 +348,7 @@ class Encoder:
 
 
 def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
-           structural_hash: bytes | None = None) -> int:
+           structural_hash: bytes | None = None, framing: Framing = FDL) -> int:
     """Write ``entries`` as one ``.fdl`` stream to ``writer``; return bytes written.
 
     Every entry is validated before the first byte is written, so a refused
@@ -332,7 +356,7 @@ def encode(writer: BinaryIO, entries: Iterable[tuple[str, torch.Tensor]], *,
     :class:`Encoder` for how the data goes out: the whole file is never
     built in memory.
     """
-    return Encoder(entries, structural_hash=structural_hash).write(writer)
+    return Encoder(entries, structural_hash=structural_hash, framing=framing).write(writer)
 
 
 class Decoder:
@@ -343,12 +367,14 @@ class Decoder:
     is then bounded by it before allocation. With ``size=None`` (gzip, pipes)
     data is read in bounded pieces. ``seekable=True`` lets :meth:`entries`
     skip data with ``seek`` instead of reading it. ``path`` only names the
-    source in errors.
+    source in errors. ``framing``: which format (magic, versions, tags) to expect.
     """
 
     def __init__(self, stream: BinaryIO, *, size: int | None = None,
-                 seekable: bool = False, path: str | None = None) -> None:
+                 seekable: bool = False, path: str | None = None,
+                 framing: Framing = FDL) -> None:
         self._stream = stream
+        self._framing = framing
         self._size = size
         self._seekable = seekable
         self._path = path
@@ -428,13 +454,15 @@ class Decoder:
     # -- the format -----------------------------------------------------
     def read_version(self) -> int:
         """Read and check magic and version only."""
+        f = self._framing
         magic = self._read(4, "magic")
-        if magic != MAGIC:
-            raise self._fail(f"invalid checkpoint: bad magic {magic!r}, expected {MAGIC!r}", 0)
+        if magic != f.magic:
+            raise self._fail(f"invalid {f.name if f is not FDL else 'checkpoint'}: bad magic "
+                             f"{magic!r}, expected {f.magic!r}", 0)
         (version,) = _U32.unpack(self._read(4, "version"))
-        if version not in SUPPORTED_VERSIONS:
-            raise self._fail(f"unsupported .fdl version {version}; this reader supports "
-                             f"versions {SUPPORTED_VERSIONS[0]} to {SUPPORTED_VERSIONS[-1]}", 4)
+        if version not in f.versions:
+            raise self._fail(f"unsupported {f.name} version {version}; this reader supports "
+                             f"versions {f.versions[0]} to {f.versions[-1]}", 4)
         return version
 
     def read_header(self) -> Header:
@@ -473,10 +501,10 @@ class Decoder:
         numel = math.prod(shape)
         tag_at = self._pos
         tag = self._read(1, "dtype tag")[0]
-        dtype = TAG_TO_DTYPE.get(tag)
+        dtype = self._framing.tag_to_dtype.get(tag)
         if dtype is None:
             raise self._fail(f"unknown dtype tag {tag}; known tags are "
-                             f"{sorted(TAG_TO_DTYPE)}", tag_at)
+                             f"{sorted(self._framing.tag_to_dtype)}", tag_at)
         (nbytes,) = _U64.unpack(self._read(8, "byte count"))
         expected = numel * dtype.itemsize
         if nbytes != expected:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import fdl
+from . import datafile, fdl
 
 __all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
            "TensorSpec", "Group", "Layout"]
@@ -48,6 +48,11 @@ class TensorSpec:
     offset: int
     nbytes: int
     kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
+
+    @property
+    def in_data_file(self) -> bool:
+        """Written to the data file (a dtype ``.fdl`` has no tag for), not the ``.fdl``."""
+        return self.dtype not in fdl.DTYPE_TO_TAG
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,8 @@ class Layout:
         Offsets: group by group (see :attr:`groups`), packed inside each."""
         triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
                    *state, *((OPTIM, n, t) for n, t in optim)]
-        for _, name, t in triples:
-            fdl.check_encodable(name, t)  # refuse before anything is staged
+        for _, name, t in triples:  # refuse before anything is staged
+            fdl.check_encodable(name, t, datafile.framing_of(t.dtype) or fdl.FDL)
         sizes = [t.numel() * t.element_size() for _, _, t in triples]
         groups: dict[tuple[bool, torch.dtype], list[int]] = {}
         for i, (kind, _, t) in enumerate(triples):
@@ -111,14 +116,20 @@ class Layout:
 
     def to_msg(self) -> dict[str, Any]:
         return {"hash": self.structural_hash, "nbytes": self.nbytes,
-                "specs": [[s.name, list(s.shape), fdl.DTYPE_TO_TAG[s.dtype], s.offset, s.nbytes,
+                "specs": [[s.name, list(s.shape), _DTYPE_NAME[s.dtype], s.offset, s.nbytes,
                            s.kind] for s in self.specs]}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> "Layout":
-        specs = tuple(TensorSpec(name, tuple(shape), fdl.TAG_TO_DTYPE[tag], off, n, kind)
-                      for name, shape, tag, off, n, kind in msg["specs"])
+        specs = tuple(TensorSpec(name, tuple(shape), _NAMED_DTYPE[dtype], off, n, kind)
+                      for name, shape, dtype, off, n, kind in msg["specs"])
         return cls(specs, msg["nbytes"], msg["hash"])
+
+
+# A layout message names each dtype: every dtype either file has a tag for.
+_DTYPE_NAME = {d: str(d).removeprefix("torch.")
+               for table in (fdl.DTYPE_TO_TAG, datafile.DTYPE_TO_TAG) for d in table}
+_NAMED_DTYPE = {name: d for d, name in _DTYPE_NAME.items()}
 
 
 def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 from isal import isal_zlib
 
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, read_meta
+from ..files.meta import META_SUFFIX, companions, read_meta
 from ..files.verify import VerifyReport, verify as _verify_local
 from .store import PART, Store, is_url, open_store, scrub, split_url
 
@@ -98,16 +98,12 @@ async def _fetch(url: str, tmp: str, options: dict[str, Any] | None) -> str:
         f.write(meta_bytes)
     try:
         meta = read_meta(local)
+        beside = companions(local, meta)  # the optimizer file, the data file
     except FormatError as e:
         raise FormatError(e.reason, path=url + META_SUFFIX) from None
     jobs = [_fetch_file(store, name, local, meta.size, meta.crc32)]
-    if meta.optimizer:
-        oname = meta.optimizer.get("file")
-        if not isinstance(oname, str) or "/" in oname or oname in ("", ".", ".."):
-            raise FormatError(f"the metadata names the optimizer file {oname!r}, not a file "
-                              "name", path=url + META_SUFFIX)
-        jobs.append(_fetch_file(store, oname, os.path.join(tmp, oname),
-                                meta.optimizer.get("size"), meta.optimizer.get("crc32")))
+    jobs += [_fetch_file(store, c.name, os.path.join(tmp, c.name), c.size, c.crc32)
+             for c in beside]
     await asyncio.gather(*jobs)
     return local
 

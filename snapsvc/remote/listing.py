@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, Meta, read_meta
+from ..files.meta import META_SUFFIX, Meta, companions, read_meta
 from .fetch import run_sync
 from .store import Store, open_store
 
@@ -46,7 +46,7 @@ def _step(name: str, meta: Meta) -> int | None:
 
 
 def _listed(name: str, meta: Meta, meta_bytes: int) -> Listed:
-    size = meta.size + meta_bytes + (meta.optimizer or {}).get("size", 0)
+    size = meta.size + meta_bytes + sum(c.size for c in companions(name, meta))
     return Listed(name, _step(name, meta), size,
                   dict(meta.metrics) if isinstance(meta.metrics, dict) else {},
                   meta.created if isinstance(meta.created, (int, float)) else None)

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 from ..files.durable import TMP_SUFFIX
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, optim_path, read_meta
+from ..files.meta import META_SUFFIX, checkpoint_names, companions, read_meta
 
 from .store import CorruptSource, Store, open_store, scrub
 
@@ -334,14 +334,14 @@ class Uploader:
                 meta_bytes = f.read()
             files = [(job.key, open(job.path, "rb"), meta.size, meta.crc32)]
             try:
-                if meta.optimizer:
-                    folder = os.path.dirname(job.path)
-                    name = meta.optimizer["file"]
-                    okey = f"{job.key.rpartition('/')[0]}/{name}".lstrip("/")
-                    files.append((okey, open(os.path.join(folder, name), "rb"),
-                                  meta.optimizer["size"], meta.optimizer["crc32"]))
+                folder = os.path.dirname(job.path)
+                for c in companions(job.path, meta):  # the optimizer file, the data file
+                    okey = f"{job.key.rpartition('/')[0]}/{c.name}".lstrip("/")
+                    files.append((okey, open(os.path.join(folder, c.name), "rb"), c.size,
+                                  c.crc32))
             except BaseException:
-                files[0][1].close()
+                for _, f, _, _ in files:
+                    f.close()
                 raise
         with self._mutex:
             self._forget(job)
@@ -367,9 +367,8 @@ class Uploader:
                           key=_number)
         assert self.keep_last is not None and self.keep_last >= 1  # the newest always stays
         for old in complete[: -self.keep_last]:
-            await store.delete(old + META_SUFFIX)  # first: it vouches for the rest
-            await store.delete(optim_path(old))  # the writer's name for it; absent is fine
-            await store.delete(old)
+            for key in checkpoint_names(old):  # metadata first: it vouches for the rest
+                await store.delete(key)  # the writer's names; absent is fine
             log.info("remote rotation: removed %s", store.key_url(old))
 
 

@@ -18,11 +18,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..files.checkpoint import LoadReport, persistent_buffers, read_verified
+from ..files.checkpoint import LoadReport, persistent_buffers
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
     StrictLoadError, TargetNotWritableError
-from ..files.meta import read_meta
+from ..files.meta import read_meta, read_with_data
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 from .tree import INLINE_DTYPES, _show, extra_states, path_name
 
@@ -104,7 +104,7 @@ def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
     if meta.state is None:
         raise FormatError("not a nested-state checkpoint (it was submitted as a model: "
                           "use restore(path, model) or read_checkpoint)", path=path)
-    entries = read_verified(path, meta.size, meta.crc32).entries
+    entries = read_with_data(path, meta).entries
     rebuild = _Rebuild(entries, path, keep_objects)
     tree = rebuild(meta.state)
     unused = [n for n in entries if n not in rebuild.used]

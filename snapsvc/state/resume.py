@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
 from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
-from ..files.meta import Meta, meta_path, optim_path, read_meta
+from ..files.meta import Meta, checkpoint_names, optim_path, read_meta, read_with_data
 from .readback import restore_state
 from .tree import set_model_extra_states
 
@@ -118,16 +118,14 @@ def _shape(groups: list[list[Any]]) -> str:
 def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     """Every file of the checkpoint at ``path`` that exists, metadata first:
     removing them in this order never leaves a checkpoint that looks whole."""
-    path = os.fspath(path)
-    return [p for p in (meta_path(path), optim_path(path), path) if os.path.exists(p)]
+    return [p for p in checkpoint_names(path) if os.path.exists(p)]
 
 
 def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
     """``path`` checked against ``meta``, its entries views of one mapping of
     the file for copying into ``model`` (of a page-locked buffer when
-    ``model`` is on CUDA)."""
-    return read_verified(path, meta.size, meta.crc32, shared_buffer=True,
-                         pin_memory=_on_cuda(model))
+    ``model`` is on CUDA), then its data file's (a bool buffer, say)."""
+    return read_with_data(path, meta, shared_buffer=True, pin_memory=_on_cuda(model))
 
 
 def _read_optim_file(path: str, meta: Meta) -> Checkpoint:

@@ -8,8 +8,9 @@ tensors, ``nn.Module``, ``torch.optim.Optimizer``, any object with
 submit with :class:`~snapsvc.errors.UnsupportedStateError` naming its key
 path; nothing is pickled, so loading a checkpoint never runs code.
 
-On disk. Every tensor whose dtype ``.fdl`` has a tag for is an entry of the
-checkpoint file, named by its path in the state::
+On disk. Every tensor is an entry, named by its path in the state: of the
+checkpoint file when ``.fdl`` has a tag for its dtype, else of the data file
+beside it (:mod:`snapsvc.format.datafile`)::
 
     path   := segment ("/" segment)*
     segment:= str key, with "%" -> "%25", "/" -> "%2F" and a leading "#" -> "%23"
@@ -24,8 +25,10 @@ the top-level key ``"model"`` if it is a module, else the only module among
 the top-level values. Its parameters then persistent buffers come first in
 the file and its structural hash goes in the header; every other entry
 follows in the state's order. Tensors of other dtypes (bool, uint8, int8,
-int16, complex, float8: RNG states are uint8) are kept as raw bytes in the
-metadata, within its size limit.
+int16, complex, float8: RNG states are uint8) go through the slot like the
+rest, into the data file. Only a multi-rank submit (``shard``) still keeps
+them as raw bytes in the metadata, within its size limit, as every snapsvc
+before the data file did (:data:`INLINE_DTYPES`; still read).
 
 The tree itself (containers, key types, tuple versus list, non-tensor
 leaves, which live object each part came from) goes in the metadata, packed
@@ -45,7 +48,7 @@ import torch
 from torch import nn
 
 from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers
-from ..format import fdl, kinds
+from ..format import datafile, fdl, kinds
 from ..errors import EncodeError, UnsupportedStateError
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
@@ -57,7 +60,8 @@ MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few leve
 _I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
 _PLAIN = (str, bytes, bool, float, type(None))
 
-# Tensors of these dtypes travel in the metadata; both directions written out.
+# Tensors of these dtypes travelled in the metadata before the data file (and still do in
+# a multi-rank submit): how old checkpoints are read. Both directions written out.
 INLINE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -348,7 +352,10 @@ class _Walker:
             raise self.refuse(path, f"a {t.layout} tensor (convert with .to_dense())")
         if t.is_quantized or t.device.type == "meta":
             raise self.refuse(path, "a quantized or meta tensor (no plain data to store)")
-        if t.dtype not in fdl.DTYPE_TO_TAG:
+        framing = datafile.framing_of(t.dtype)
+        if framing is None:
+            raise self.refuse(path, f"a tensor of dtype {t.dtype}, which snapsvc cannot store")
+        if framing is not fdl.FDL and self.shard is not None:  # a rank's files: no data file
             if sharded:
                 raise self.refuse(path, f"a DTensor of dtype {t.dtype}, which is kept in the "
                                   "metadata, whole: pass .full_tensor()")
@@ -358,7 +365,7 @@ class _Walker:
             raise self.refuse(path, f"its entry name {name!r} is taken by "
                                 f"{self.show(self.names[name])} (the model keeps its own names)")
         self.names[name] = path
-        fdl.check_encodable(name, t)
+        fdl.check_encodable(name, t, framing)
         # the live tensor, not detached: a memo's part finds it again by identity
         # (staging copies under no_grad)
         staged = t if self.shard is None else self.shard(kind, name, t)
@@ -370,9 +377,7 @@ class _Walker:
         return TensorRef(name)
 
     def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
-        name = _INLINE_NAMES.get(t.dtype)
-        if name is None:
-            raise self.refuse(path, f"a tensor of dtype {t.dtype}, which snapsvc cannot store")
+        name = _INLINE_NAMES[t.dtype]  # the data file's dtypes, checked by the caller
         cpu = t.detach().to("cpu", copy=True).contiguous()  # a copy: later changes stay out
         data = ctypes.string_at(cpu.data_ptr(), cpu.numel() * cpu.element_size())
         return InlineTensor(name, tuple(cpu.shape), data)
@@ -399,7 +404,7 @@ class _Walker:
         for kind, pairs in (("param", params), ("buffer", buffers)):
             for pname, t in pairs:
                 where = path + (pname,)
-                if own_names and t.dtype in fdl.DTYPE_TO_TAG:
+                if own_names:  # in the .fdl, or the data file for dtypes .fdl lacks
                     tensors[pname] = self.tensor(t, where, kind, name=pname)
                 else:
                     tensors[pname] = self.tensor(t, where, STATE_STEP if kind == "param"
