@@ -270,8 +270,8 @@ def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     states = checkpoint.get("optimizer_states")
     if isinstance(states, list):
         checkpoint["optimizer_states"] = [
-            {**s, "state": StepState(s["state"])} if isinstance(s, Mapping) and "state" in s else s
-            for s in states]
+            {**s, "state": StepState(s["state"])} if type(s) is dict and "state" in s else s
+            for s in states]  # a dict, as state_dict() gives it: stored as the same type
     return checkpoint
 
 
