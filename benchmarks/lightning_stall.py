@@ -24,6 +24,8 @@ keys at every save); what is timed per checkpoint:
   wait      overlap: how long the optimizer steps after that save waited
             for its copy (snapsvc's guard); counted in stall too
   io        CheckpointIO.save_checkpoint alone
+  io+wait   io plus wait, over raw: the copy's share of the stall, without
+            Lightning's dump and the removal (which waits for a pending write)
   raw       torch._foreach_copy_ of exactly the tensors of that checkpoint
             into shared memory allocated once, timed right after each save in
             the same process (benchmarks/rawcopy.py): the floor
@@ -162,14 +164,16 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
              f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
              f"of {args.ms:g} ms, a checkpoint every {args.every} steps (monitor, save_top_k=2)",
              "io        checkpoints  stall p50 ms  stall p99 ms  wait p50 ms  raw p50 ms  stall/raw  "
-             "io p50 ms  first stall ms   fit s  files"]
+             "io p50 ms  io+wait/raw  first stall ms   fit s  files"]
     for r in rows:
         rest, inner, raw = r["stall"][1:], r["inner"][1:], r["raw"][1:]
         r["p50"], r["raw_p50"] = statistics.median(rest), statistics.median(raw)
         r["ratio"] = ratio = statistics.median(s / c for s, c in zip(rest, raw))
+        io_ratio = statistics.median((i + w) / c for i, w, c in zip(inner, r["wait"][1:], raw))
         lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
                      f"{ms(statistics.median(r['wait'][1:])):>12} {ms(statistics.median(raw)):>11} {ratio:10.2f} "
-                     f"{ms(statistics.median(inner)):>10} {ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  "
+                     f"{ms(statistics.median(inner)):>10} {io_ratio:12.2f} {ms(r['stall'][0]):>15} "
+                     f"{r['fit_s']:7.1f}  "
                      f"{' '.join(r['files'])}")
     by = {r["io"]: r["p50"] for r in rows}
     lines.append(f"stall p50 ratio: default/snapsvc {by['default'] / by['snapsvc']:.1f}x, "
