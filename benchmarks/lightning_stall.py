@@ -7,6 +7,9 @@ IOs (same model, same disk, same run; each in a fresh process):
             thread, torch.save on a background thread
   snapsvc   snapsvc.lightning.SnapsvcCheckpointIO: copy into a shared-memory
             slot, the sidecar process writes (and fsyncs) the file
+  overlap   SnapsvcCheckpointIO(overlap=True): the save copies the weights;
+            AdamW's moments are copied behind the next step, whose optimizer
+            step waits for that copy at the end of Lightning's closure
 
 A LightningModule holds ``--mib`` MiB of float32 parameters (16 MiB tensors)
 trained by AdamW, so each checkpoint is about 3x that (weights + two moments).
@@ -18,7 +21,11 @@ keys at every save); what is timed per checkpoint:
   stall     Trainer.save_checkpoint as ModelCheckpoint calls it (Lightning's
             dump of the state, then CheckpointIO.save_checkpoint) plus the
             removal of the previous file: the time the loop is held
+  wait      overlap: how long the optimizer steps after that save waited
+            for its copy (snapsvc's guard); counted in stall too
   io        CheckpointIO.save_checkpoint alone
+  io+wait   io plus wait, over raw: the copy's share of the stall, without
+            Lightning's dump and the removal (which waits for a pending write)
   raw       torch._foreach_copy_ of exactly the tensors of that checkpoint
             into shared memory allocated once, timed right after each save in
             the same process (benchmarks/rawcopy.py): the floor
@@ -51,7 +58,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rawcopy import RawCopy  # noqa: E402
 from stall import build_model  # noqa: E402
 
-IOS = ["default", "async", "snapsvc"]
+from snapsvc.engine.copier import Copier  # noqa: E402
+
+IOS = ["default", "async", "snapsvc", "overlap"]
 
 
 def timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
@@ -86,8 +95,19 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    io = {"default": TorchCheckpointIO, "async": AsyncCheckpointIO, "snapsvc": SnapsvcCheckpointIO}[args.io]()
+    io = {"default": TorchCheckpointIO, "async": AsyncCheckpointIO, "snapsvc": SnapsvcCheckpointIO,
+          "overlap": lambda: SnapsvcCheckpointIO(overlap=True)}[args.io]()
     stall: list[float] = []
+    waits: list[float] = []  # per checkpoint: the guard's waits in the steps after it
+    hold = Copier.hold
+
+    def timed_hold(self: Copier) -> None:
+        t0 = time.perf_counter()
+        hold(self)
+        if waits:
+            waits[-1] += time.perf_counter() - t0
+
+    Copier.hold = timed_hold
     inner: list[float] = []
     removal: list[float] = []
     raw = RawCopy()
@@ -110,6 +130,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
         def save_then_raw(*a: Any, **k: Any) -> Any:
             out = timed_save(*a, **k)
+            waits.append(0.0)
             raw.measure(last[0])  # the same tensors, right after, outside the stall
             return out
 
@@ -120,8 +141,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         fit_s = time.perf_counter() - t0
         files = sorted(os.listdir(d))
     # ModelCheckpoint removes the previous file right after each save but the first
-    stall = [s + r for s, r in zip(stall, [0.0] + removal)]
-    return {"io": args.io, "stall": stall, "inner": inner, "removal": removal, "fit_s": fit_s,
+    stall = [s + r + w for s, r, w in zip(stall, [0.0] + removal, waits)]
+    return {"io": args.io, "stall": stall, "wait": waits, "inner": inner, "removal": removal, "fit_s": fit_s,
             "raw": raw.times, "files": files}
 
 
@@ -142,19 +163,22 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
              f"torch {torch.__version__}, {_pl().__name__} {_pl().__version__}",
              f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
              f"of {args.ms:g} ms, a checkpoint every {args.every} steps (monitor, save_top_k=2)",
-             "io        checkpoints  stall p50 ms  stall p99 ms  raw p50 ms  stall/raw  io p50 ms  "
-             "first stall ms   fit s  files"]
+             "io        checkpoints  stall p50 ms  stall p99 ms  wait p50 ms  raw p50 ms  stall/raw  "
+             "io p50 ms  io+wait/raw  first stall ms   fit s  files"]
     for r in rows:
         rest, inner, raw = r["stall"][1:], r["inner"][1:], r["raw"][1:]
         r["p50"], r["raw_p50"] = statistics.median(rest), statistics.median(raw)
         r["ratio"] = ratio = statistics.median(s / c for s, c in zip(rest, raw))
+        io_ratio = statistics.median((i + w) / c for i, w, c in zip(inner, r["wait"][1:], raw))
         lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
-                     f"{ms(statistics.median(raw)):>11} {ratio:10.2f} "
-                     f"{ms(statistics.median(inner)):>10} {ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  "
+                     f"{ms(statistics.median(r['wait'][1:])):>12} {ms(statistics.median(raw)):>11} {ratio:10.2f} "
+                     f"{ms(statistics.median(inner)):>10} {io_ratio:12.2f} {ms(r['stall'][0]):>15} "
+                     f"{r['fit_s']:7.1f}  "
                      f"{' '.join(r['files'])}")
     by = {r["io"]: r["p50"] for r in rows}
     lines.append(f"stall p50 ratio: default/snapsvc {by['default'] / by['snapsvc']:.1f}x, "
-                 f"async/snapsvc {by['async'] / by['snapsvc']:.1f}x")
+                 f"async/snapsvc {by['async'] / by['snapsvc']:.1f}x, snapsvc/overlap "
+                 f"{by['snapsvc'] / by['overlap']:.1f}x")
     return "\n".join(lines)
 
 

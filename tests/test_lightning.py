@@ -166,8 +166,6 @@ def test_hyper_parameters_the_state_api_refuses_name_their_key(tmp_path, no_leak
 def test_options_that_would_lose_checkpoints_are_refused():
     with pytest.raises(ValueError, match="policy='block'"):
         SnapsvcCheckpointIO(policy="skip")
-    with pytest.raises(ValueError, match="overlap"):
-        SnapsvcCheckpointIO(overlap=True)
     with pytest.raises(ValueError, match="slots"):  # writer options are checked at once
         SnapsvcCheckpointIO(slots=0)
     with pytest.raises(TypeError, match="storage_options"):

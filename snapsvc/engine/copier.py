@@ -5,7 +5,8 @@ into pinned slots for CUDA tensors). Overlap mode copies at once only what
 the next forward() changes (buffers, plain tensors), and leaves the rest
 (parameters, optimizer state) to one background thread on the CPU, or to a
 side CUDA stream; :meth:`Copier.guard` makes ``optimizer.step()`` wait for
-it, on CUDA without blocking the CPU.
+it, on CUDA without blocking the CPU (a step given a closure waits at the
+closure's end, so the forward and backward inside overlap the copy).
 
 Incremental mode (opt-in) copies into a slot again only what may have
 changed since that slot last held it. ``_version`` alone is not a safe sign
@@ -33,6 +34,7 @@ them.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import operator
 import threading
@@ -148,7 +150,7 @@ class Copier:
             else:
                 staging.copy_into(views, sources)
             return None
-        if not self._guarded and not self._warned:
+        if late_idx and not self._guarded and not self._warned:  # nothing late: nothing to mix
             self._warned = True
             log.warning("overlap=True without writer.guard(optimizer): a snapshot may mix "
                         "values from two steps")
@@ -184,15 +186,42 @@ class Copier:
         if inflight is not None:
             inflight.result(timeout)
 
+    def hold(self) -> None:
+        """Hold back what comes next until the in-flight copies are done: on CUDA the
+        current stream waits for the copy's event (the CPU runs on), else the CPU waits."""
+        with self._lock:
+            event = self._event
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        else:
+            self.wait()
+
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
-        """An optimizer step pre-hook that waits for in-flight copies; its handle."""
-        def hook(opt: Any, args: Any, kwargs: Any) -> None:
-            with self._lock:
-                event = self._event
-            if event is not None:
-                torch.cuda.current_stream().wait_event(event)
-            else:
-                self.wait()
+        """An optimizer step pre-hook that holds the step back until in-flight copies
+        are done (:meth:`hold`); its handle.
+
+        A step given a closure (Lightning's steps, LBFGS) holds at the end of the
+        closure instead, so the forward and backward it runs overlap the copy, when
+        the step is one of torch's own: those call the closure before they write
+        anything. Any other step (a subclass's own, which may write its state
+        first) holds before it starts."""
+        closure_first = _calls_closure_first(optimizer)
+
+        def hook(opt: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+            positional = len(args) > 1  # args[0] is the optimizer
+            closure = args[1] if positional else kwargs.get("closure")
+            if closure is None or not closure_first:
+                self.hold()
+                return None
+
+            def closure_then_hold() -> Any:
+                loss = closure()
+                self.hold()
+                return loss
+
+            if positional:
+                return (args[0], closure_then_hold, *args[2:]), kwargs
+            return args, {**kwargs, "closure": closure_then_hold}
 
         self._guarded = True
         return optimizer.register_step_pre_hook(hook)
@@ -208,6 +237,13 @@ class Copier:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+
+def _calls_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is torch's own (``torch.optim``), whose closure
+    runs before anything is written: a subclass's own ``step`` may write first."""
+    step = inspect.unwrap(type(optimizer).step)  # torch wraps it with its hooks' caller
+    return getattr(step, "__module__", "").startswith("torch.optim.")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -298,8 +298,9 @@ class SnapshotWriter:
         Registers an optimizer step pre-hook and returns its removable
         handle. On CPU the hook blocks until the background copy is done; on
         CUDA it makes the current stream wait on the copy's event, so the CPU
-        never blocks. Without it, overlap mode may write a snapshot that mixes
-        two steps.
+        never blocks. ``step(closure)`` of a torch optimizer waits at the end
+        of the closure, so the forward and backward inside it overlap the copy.
+        Without it, overlap mode may write a snapshot that mixes two steps.
         """
         return self._copier.guard(optimizer)
 

@@ -24,7 +24,8 @@ trainer's ``CheckpointIO`` is a ``SnapsvcCheckpointIO``):
   of saving over a checkpoint it already counts in ``best_k_models``.
 - ``Trainer.fit``: the hyper-parameters of the model and datamodule are
   checked before training starts; one that cannot be stored fails there,
-  not at the first checkpoint after an epoch.
+  not at the first checkpoint after an epoch. The plugin learns the trainer
+  here, whose optimizers overlap mode guards.
 - ``LightningModule.load_from_checkpoint`` (and the datamodule's) read a
   snapsvc checkpoint as ``load_checkpoint`` does; other files go to
   Lightning's own loader as before. Lightning never consults a
@@ -69,6 +70,25 @@ have, and writing them under a local folder named ``s3:`` would lose them.
 A symlink (``ModelCheckpoint(save_last="link")``) is read through to the
 checkpoint it points at.
 
+Overlap (``SnapsvcCheckpointIO(overlap=True)``). ``save_checkpoint``
+copies the parameters, buffers and everything else at once, and returns
+before each optimizer's per-parameter state (Adam's moments: two thirds of
+an AdamW checkpoint) is copied; that copy runs on behind the next step.
+Each optimizer of the fitting trainer gets ``SnapshotWriter.guard``: its
+next ``step`` waits for the copy. Lightning calls ``step`` with a closure
+that runs ``training_step`` and the backward (automatic optimization) or
+nothing (``self.optimizers().step()``, manual optimization); for torch's own
+optimizers the wait comes at the end of that closure, after the forward and
+backward, before the optimizer writes its state. An optimizer whose class
+has its own ``step`` waits before the step starts. Batches that accumulate
+gradients do not step, so the copy runs on through them. Only the
+optimizer's step writes its per-parameter state, which is why only that
+part waits: parameters change outside a step too (``StochasticWeightAveraging``
+and EMA callbacks write them in their hooks), as BatchNorm's buffers do in
+every forward. A save outside ``fit`` (``trainer.save_checkpoint`` after
+it) copies everything before it returns. Loads, removals and ``teardown``
+wait for pending copies as for pending writes.
+
 Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
 0's pending write of that path, then for every rank (``torch.distributed``
 barrier), so no rank reads before the file is whole; Lightning has every
@@ -87,6 +107,7 @@ import os
 import pathlib
 import re
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -98,7 +119,7 @@ from ..errors import FormatError, PathError, UnsupportedStateError
 from ..files.checkpoint import checkpoint_version
 from ..state.resume import checkpoint_files
 from ..state.readback import load
-from ..state.tree import flatten
+from ..state.tree import StepState, flatten
 
 __all__ = ["SnapsvcCheckpointIO"]
 
@@ -115,7 +136,8 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 class SnapsvcCheckpointIO:
     """A Lightning ``CheckpointIO`` plugin that writes through a snapsvc sidecar.
 
-    ``writer_options`` go to :class:`snapsvc.SnapshotWriter`; the sidecar starts
+    ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
+    the module docstring); the sidecar starts
     at the first save and stops at ``teardown`` (the end of each ``fit``).
     ``timeout``: seconds that a load, a removal or the teardown waits for
     pending writes. A failed write raises on the next ``save_checkpoint``,
@@ -138,14 +160,13 @@ class SnapsvcCheckpointIO:
         if writer_options.get("policy", "block") != "block":
             raise ValueError(f"SnapsvcCheckpointIO needs policy='block', got "
                              f"{writer_options['policy']!r}: Lightning expects every save to land")
-        if writer_options.get("overlap"):
-            raise ValueError("SnapsvcCheckpointIO cannot use overlap=True: it needs writer.guard() on "
-                             "the optimizer, which the plugin cannot reach; use the default overlap=False")
         SnapshotWriter(**writer_options)  # bad options fail here, not at the first save (starts nothing)
         self.timeout = timeout
         self._options = writer_options
         self._writer: SnapshotWriter | None = None
         self._handles: list[WriteHandle] = []
+        self._trainer: Callable[[], Any] | None = None  # weakref to the fitting trainer (overlap)
+        self._guards: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step hook)
 
     @property
     def writer(self) -> SnapshotWriter | None:
@@ -164,6 +185,8 @@ class SnapsvcCheckpointIO:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
         if self._writer is None:
             self._writer = SnapshotWriter(**self._options).start()
+        if self._writer.overlap and self._guard_optimizers():
+            checkpoint = _mark_step_state(checkpoint)
         self._handles.append(self._writer.submit(checkpoint, path))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -193,14 +216,34 @@ class SnapsvcCheckpointIO:
     def teardown(self) -> None:
         """Drain pending writes and stop the sidecar; raise the first failed write."""
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.finish(timeout=self.timeout)
+        try:
+            if writer is not None:
+                writer.finish(timeout=self.timeout)  # overlap copies finish first
+        finally:
+            for _, hook in self._guards:
+                hook.remove()
+            self._guards = []
         self._raise_failed()
 
     def pending(self, path: str | os.PathLike[str]) -> bool:
         """Whether a write to ``path`` is still in the sidecar."""
         path = _local(path)
         return any(h.path == path and not h.done() for h in self._handles)
+
+    def _guard_optimizers(self) -> bool:
+        """Overlap mode: guard every optimizer of the fitting trainer (once each), so
+        that its next step waits for this save's copy. False when there is no such
+        trainer (a save outside ``fit``) or an optimizer is not a torch one: then
+        the whole checkpoint is copied before ``save_checkpoint`` returns."""
+        trainer = self._trainer() if self._trainer is not None else None
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            return False
+        guarded = {id(o) for o, _ in self._guards}
+        for opt in optimizers:
+            if id(opt) not in guarded:
+                self._guards.append((opt, self._writer.guard(opt)))
+        return True
 
     def _wait(self, path: str) -> None:
         if self._writer is not None:
@@ -216,6 +259,20 @@ class SnapsvcCheckpointIO:
             log.error("snapsvc: checkpoint %s failed too: %s", h.path, h.exception())
         if failed:
             raise failed[0].exception()
+
+
+def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` (a copy of Lightning's) with each optimizer's per-parameter state
+    marked as written only by its step, the part overlap mode copies behind the next
+    step. The parameters, buffers and the rest are copied before the save returns:
+    they change outside a step too (BatchNorm in a forward, weight averaging and EMA
+    callbacks in their hooks, a scheduler's tensor ``lr`` in ``param_groups``)."""
+    states = checkpoint.get("optimizer_states")
+    if isinstance(states, list):
+        checkpoint["optimizer_states"] = [
+            {**s, "state": StepState(s["state"])} if type(s) is dict and "state" in s else s
+            for s in states]  # a dict, as state_dict() gives it: stored as the same type
+    return checkpoint
 
 
 def _is_snapsvc_file(path: Any) -> bool:
@@ -461,7 +518,9 @@ def _file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
 def _fit(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def fit(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if _plugin(self) is not None:
+        io = _plugin(self)
+        if io is not None:
+            io._trainer = weakref.ref(self)  # overlap mode guards its optimizers at each save
             for callback in self.checkpoint_callbacks:  # a URL fails now, not at the first save
                 _local(getattr(callback, "dirpath", None) or self.default_root_dir)
             for obj in (model, *args, *kwargs.values()):  # the model and a datamodule, however passed

@@ -53,7 +53,7 @@ from ..errors import EncodeError, UnsupportedStateError
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
-__all__ = ["Flat", "Shard", "WalkMemo", "flatten", "walk", "check_plain", "find", "path_name", "param_names", "outline", "dtensor_type", "is_dtensor", "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES", "MAX_DEPTH"]
+__all__ = ["Flat", "StepState", "Shard", "WalkMemo", "flatten", "walk", "check_plain", "find", "path_name", "param_names", "outline", "dtensor_type", "is_dtensor", "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES", "MAX_DEPTH"]
 
 
 MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
@@ -191,6 +191,18 @@ class Flat:
                 + [t for _, _, t in self.rest])
 
 
+class StepState:
+    """Marks a value of a state whose tensors only an optimizer step writes (an
+    optimizer's per-parameter state, taken with ``state_dict()`` already), as an
+    optimizer's own are: overlap mode copies them after ``submit()`` returns,
+    before the next guarded step. Stored as ``value`` itself; nothing marks it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 class _Walker:
     def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
                  shard: Shard | None = None, memo: WalkMemo | None = None) -> None:
@@ -267,6 +279,8 @@ class _Walker:
                                 "submit({'model': ..., ...}, path)")
         if isinstance(v, torch.Tensor):
             return self.tensor(v, path, STATE_STEP if step else STATE)
+        if t is StepState:
+            return self.value(v.value, path, True)
         if isinstance(v, nn.Module):
             return self.module(v, path)
         if isinstance(v, torch.optim.Optimizer):
