@@ -178,3 +178,29 @@ def test_import_snapsvc_does_not_import_lightning():
             "('lightning', 'pytorch_lightning', 'lightning_fabric')]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_removing_a_checkpoint_still_being_written_does_not_wait_for_it(tmp_path, no_leaks):
+    """ModelCheckpoint removes a top-k file right after the next save, often while the
+    sidecar still writes it: the removal returns at once, the path exists for no one from
+    then on, its files go once written; a save of the same path afterwards stands."""
+    io = SnapsvcCheckpointIO(fault_hook=functools.partial(hooks.pause, "open", "held", 3.0))
+    held, again = tmp_path / "held.ckpt", tmp_path / "again.ckpt"
+    try:
+        io.save_checkpoint(lightning_like(), held)
+        io.save_checkpoint(lightning_like(), again)   # queued behind the held write
+        assert io.pending(held)
+        io.remove_checkpoint(held)
+        assert io.removing(held) and not io.pending(held)
+        assert io.writer.stats()["written"] == 0   # returned without waiting for the write
+        io.remove_checkpoint(again)
+        io.save_checkpoint(lightning_like(), again)   # the removal behind the old write first
+        assert not io.removing(again) and io.pending(again)
+        with pytest.raises(FileNotFoundError):
+            io.load_checkpoint(held)   # as Lightning's own IO: a removed file is not there
+    finally:
+        io.teardown()
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        os.path.basename(f) for f in snapsvc.checkpoint_files(str(again)))
+    assert snapsvc.verify(again).ok

@@ -107,6 +107,7 @@ import os
 import pathlib
 import re
 import sys
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -165,6 +166,10 @@ class SnapsvcCheckpointIO:
         self._options = writer_options
         self._writer: SnapshotWriter | None = None
         self._handles: list[WriteHandle] = []
+        # path -> its latest write, still in the sidecar when Lightning removed the path:
+        # the files go once it is written (see remove_checkpoint)
+        self._doomed: dict[str, WriteHandle] = {}
+        self._lock = threading.Lock()   # _doomed: the reader thread's callbacks change it too
         self._trainer: Callable[[], Any] | None = None  # weakref to the fitting trainer (overlap)
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step hook)
 
@@ -180,6 +185,7 @@ class SnapsvcCheckpointIO:
             raise TypeError(f"SnapsvcCheckpointIO.save_checkpoint takes no storage_options, got "
                             f"{storage_options!r}; pass writer options to SnapsvcCheckpointIO() instead")
         path = _local(path)
+        self._settle(path)   # a removal of this path behind its old write: done first
         self._raise_failed()
         checkpoint = _encode_hparams(checkpoint)
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
@@ -202,16 +208,39 @@ class SnapsvcCheckpointIO:
         return _read(path, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove every file of the checkpoint at ``path``, after its pending write.
+        """Remove every file of the checkpoint at ``path``.
 
-        A symlink is removed, not what it points at (as Lightning's own IO does)."""
+        A write to ``path`` still in the sidecar is not waited for: its files
+        are removed once it is written (``ModelCheckpoint`` drops a top-k file
+        right after the next save, often while it is still being written), and
+        until then ``path`` exists for nobody (:meth:`pending` is False; a save
+        or load of it, and ``teardown``, first finish the removal). A symlink is
+        removed, not what it points at (as Lightning's own IO does)."""
         path = _local(path)
-        self._wait(path)
-        for name in checkpoint_files(path):
-            try:
-                os.remove(name)
-            except FileNotFoundError:
-                pass
+        writes = [h for h in self._handles if h.path == path and not h.done()]
+        if not writes:
+            _remove_files(path)
+            return
+        handle = writes[-1]
+        with self._lock:
+            self._doomed[path] = handle
+        handle.add_done_callback(lambda h: self._bury(path, h))
+
+    def _bury(self, path: str, handle: WriteHandle | None = None) -> None:
+        """The deferred removal of ``path``, once (``handle``: only if still the one due)."""
+        with self._lock:
+            due = self._doomed.get(path)
+            if due is None or (handle is not None and due is not handle):
+                return
+            del self._doomed[path]
+        _remove_files(path)
+
+    def _settle(self, path: str) -> None:
+        """Finish a deferred removal of ``path`` now: wait for its write, then remove."""
+        handle = self._doomed.get(path)
+        if handle is not None:
+            handle.exception(timeout=self.timeout)   # its failure is raised by _raise_failed
+            self._bury(path, handle)
 
     def teardown(self) -> None:
         """Drain pending writes and stop the sidecar; raise the first failed write."""
@@ -219,6 +248,8 @@ class SnapsvcCheckpointIO:
         try:
             if writer is not None:
                 writer.finish(timeout=self.timeout)  # overlap copies finish first
+            for path in list(self._doomed):  # written now; their callbacks may not have run
+                self._bury(path)
         finally:
             for _, hook in self._guards:
                 hook.remove()
@@ -228,7 +259,12 @@ class SnapsvcCheckpointIO:
     def pending(self, path: str | os.PathLike[str]) -> bool:
         """Whether a write to ``path`` is still in the sidecar."""
         path = _local(path)
-        return any(h.path == path and not h.done() for h in self._handles)
+        return path not in self._doomed and any(h.path == path and not h.done()
+                                                for h in self._handles)
+
+    def removing(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` was removed while its write is still landing (gone once written)."""
+        return _local(path) in self._doomed
 
     def _guard_optimizers(self) -> bool:
         """Overlap mode: guard every optimizer of the fitting trainer (once each), so
@@ -246,6 +282,7 @@ class SnapsvcCheckpointIO:
         return True
 
     def _wait(self, path: str) -> None:
+        self._settle(path)
         if self._writer is not None:
             for name in {path, os.path.realpath(path)}:  # a link's target may be the pending one
                 self._writer.wait_path(name, timeout=self.timeout)
@@ -259,6 +296,14 @@ class SnapsvcCheckpointIO:
             log.error("snapsvc: checkpoint %s failed too: %s", h.path, h.exception())
         if failed:
             raise failed[0].exception()
+
+
+def _remove_files(path: str) -> None:
+    for name in checkpoint_files(path):  # metadata first
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
 
 
 def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -509,9 +554,11 @@ def _file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
             return original(self, filepath, trainer)
         # Asked before the file system, so a write landing in between is seen by one or the
         # other; reduced across ranks as Lightning reduces its own answer (rank 0 saves).
-        pending = trainer.is_global_zero and io.pending(filepath)
-        return (trainer.strategy.reduce_boolean_decision(pending, all=False)
-                or original(self, filepath, trainer))
+        # A removed path whose write is still landing exists for no one, as with stock.
+        reduce = trainer.strategy.reduce_boolean_decision
+        pending = reduce(trainer.is_global_zero and io.pending(filepath), all=False)
+        removed = reduce(trainer.is_global_zero and io.removing(filepath), all=False)
+        return pending or (not removed and original(self, filepath, trainer))
     return file_exists
 
 
