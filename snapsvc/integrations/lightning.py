@@ -121,6 +121,7 @@ from ..files.checkpoint import checkpoint_version
 from ..state.resume import checkpoint_files
 from ..state.readback import load
 from ..state.tree import StepState, flatten
+from .wraps import wrap
 
 __all__ = ["SnapsvcCheckpointIO"]
 
@@ -592,14 +593,6 @@ def _pl_load(original: Callable[..., Any]) -> Callable[..., Any]:
     return pl_load
 
 
-def _wrap(owner: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
-    current = getattr(owner, name)
-    if not getattr(current, "__snapsvc__", False):  # once, if this module is imported again
-        wrapped = wrapper(current)
-        wrapped.__snapsvc__ = True
-        setattr(owner, name, wrapped)
-
-
 def _register() -> None:
     """Make the class a ``CheckpointIO`` for every Lightning flavour installed, and wrap
     the Lightning functions the module docstring lists."""
@@ -621,9 +614,9 @@ def _register() -> None:
             saving = importlib.import_module(f"{flavour}.core.saving")
         except ImportError:
             continue
-        _wrap(checkpoint.ModelCheckpoint, "file_exists", _file_exists)
-        _wrap(trainer.Trainer, "fit", _fit)
-        _wrap(saving, "pl_load", _pl_load)
+        wrap(checkpoint.ModelCheckpoint, "file_exists", _file_exists)
+        wrap(trainer.Trainer, "fit", _fit)
+        wrap(saving, "pl_load", _pl_load)
 
 
 _register()
