@@ -6,12 +6,14 @@ Each test runs on CPU here and on CUDA where a GPU is present (marked gpu).
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import snapsvc
+from snapsvc.engine import copier
 from snapsvc.files.checkpoint import model_tensors
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leaks")]
@@ -90,3 +92,29 @@ def test_cuda_model_roundtrip_blocking(tmp_path):
     snapsvc.load_checkpoint(tmp_path / "g.fdl", fresh)
     for (n, a), (_, b) in zip(model_tensors(model), model_tensors(fresh)):
         assert b.is_cuda and torch.equal(a, b), n
+
+
+def test_a_schedulers_step_after_submit_never_reaches_the_file(tmp_path, monkeypatch):
+    """Overlap copies an optimizer's per-parameter state behind the next step, but its
+    param_groups at submit: a scheduler's step in between writes a tensor lr in place."""
+    gate = threading.Event()   # the late copy runs only once the scheduler has stepped
+    later = copier.Copier.later
+    monkeypatch.setattr(copier.Copier, "later", lambda self, fn, *args: later(
+        self, lambda *a: (gate.wait(60), fn(*a)), *args))
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    moment = opt.state[model.weight]["exp_avg"].clone()
+    with snapsvc.SnapshotWriter(tmp_path, overlap=True) as w:
+        w.guard(opt)
+        h = w.submit({"model": model, "opt": opt}, "a.fdl")
+        sched.step()   # lr 0.1 -> 0.05, in place
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.05)
+        gate.set()
+        h.result(timeout=60)
+    saved = snapsvc.load(tmp_path / "a.fdl")["opt"]
+    assert float(saved["param_groups"][0]["lr"]) == pytest.approx(0.1)
+    assert torch.equal(saved["state"][0]["exp_avg"], moment)

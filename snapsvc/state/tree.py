@@ -284,8 +284,12 @@ class _Walker:
         if isinstance(v, nn.Module):
             return self.module(v, path)
         if isinstance(v, torch.optim.Optimizer):
-            return ObjectNode("optimizer", t.__name__,
-                              self.stateful_dict(v.state_dict(), path, step=True))
+            sd = v.state_dict()
+            if isinstance(sd, Mapping) and "state" in sd:
+                # only the per-parameter state changes in an optimizer step alone: a
+                # scheduler's step writes a tensor lr of param_groups in place
+                sd = {**sd, "state": StepState(sd["state"])}
+            return ObjectNode("optimizer", t.__name__, self.stateful_dict(sd, path))
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
             return ObjectNode("stateful", t.__name__, self.stateful_dict(v.state_dict(), path))
         if isinstance(v, Mapping) or t in (list, tuple):
