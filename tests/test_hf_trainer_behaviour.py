@@ -68,7 +68,8 @@ def test_on_save_callbacks_see_the_complete_checkpoint_directory(tmp_path, no_le
     assert sorted(seen["snapsvc"]) == [3, 6]
     for s, (files, step) in seen["snapsvc"].items():
         assert files == sorted(["config.json", "trainer_state.json", STATE_FILE,
-                                STATE_FILE + ".meta"]), f"checkpoint-{s} in on_save: {files}"
+                                STATE_FILE + ".data", STATE_FILE + ".meta"]), \
+            f"checkpoint-{s} in on_save: {files}"
         assert step == s
 
 

@@ -281,11 +281,12 @@ def test_only_a_file_in_the_page_cache_is_mapped(tmp_path):
     """A page that must come from the disk would report a read error as SIGBUS:
     a file not wholly in the page cache is read, not mapped."""
     from snapsvc.files import checkpoint
+    from snapsvc.format import fdl
     path = tmp_path / "m.fdl"
     snapsvc.save_checkpoint(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})
     data = path.read_bytes()
     size, crc = len(data), zlib.crc32(data)
-    got = checkpoint._read_mapped(str(path), size, crc, "metadata")
+    got = checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL)
     assert got is not None and torch.equal(got.entries["w"], torch.arange(1 << 20, dtype=torch.float32))
     del got  # its tensors map the pages: mapped pages cannot be dropped
     gc.collect()
@@ -295,7 +296,7 @@ def test_only_a_file_in_the_page_cache_is_mapped(tmp_path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the cache
     finally:
         os.close(fd)
-    if checkpoint._read_mapped(str(path), size, crc, "metadata") is not None:
+    if checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL) is not None:
         pytest.skip("this file system keeps the pages cached despite DONTNEED")
     read = checkpoint.read_verified(path, size, crc, shared_buffer=True)
     assert torch.equal(read.entries["w"], torch.arange(1 << 20, dtype=torch.float32))

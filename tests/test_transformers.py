@@ -76,7 +76,8 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path, no_leaks):
             assert torch.equal(resumed[name], tensor), f"{kind}: {name} differs after resume"
     ckpt = tmp_path / "snapsvc" / "cut" / "checkpoint-6"
     assert sorted(os.listdir(ckpt)) == sorted(
-        ["config.json", "trainer_state.json", STATE_FILE, STATE_FILE + ".meta"])
+        ["config.json", "trainer_state.json", STATE_FILE, STATE_FILE + ".data",  # RNG: uint8
+         STATE_FILE + ".meta"])
     state = snapsvc.load(str(ckpt / STATE_FILE))
     assert {"model", "optimizer", "scheduler", "rng", "trainer_state"} <= set(state)
     assert isinstance(state["rng"]["numpy"][1], bytes)

@@ -7,7 +7,8 @@ one :meth:`SnapshotWriter.submit` and returns; the writer sidecar writes them.
 
 Layout. A committed ``checkpoint-<step>/`` holds::
 
-    snapsvc_state.fdl        every tensor (model, optimizer, scaler, torch RNG): flodl's format
+    snapsvc_state.fdl        the tensors of the model, optimizer and scaler: flodl's format
+    snapsvc_state.fdl.data   the torch RNG states (uint8), in its framing (docs/state.md)
     snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
     trainer_state.json       HF's own file, which train() and HF tools read
     config.json              the model's config, when it has one
