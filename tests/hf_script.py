@@ -57,6 +57,15 @@ class StopAt(TrainerCallback):
         return control
 
 
+KINDS = ["stock", "snapsvc"]   # the stock Trainer (the control) and SnapsvcTrainer
+
+
+def close(trainer: Any) -> None:
+    """Stop a SnapsvcTrainer's sidecar; the stock Trainer has none."""
+    if hasattr(trainer, "close"):
+        trainer.close()
+
+
 def make_trainer(kind: str, out: str, *, callbacks: list[Any] | None = None,
                  snapsvc_options: dict[str, Any] | None = None, eval_dataset: Any = None,
                  **overrides: Any) -> Trainer:

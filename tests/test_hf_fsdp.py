@@ -26,9 +26,8 @@ pytest.importorskip("accelerate")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_script import StopAt, make_args, weights  # noqa: E402
+from hf_script import KINDS, StopAt, make_args, weights  # noqa: E402
 
-KINDS = ["stock", "snapsvc"]
 # FULL_STATE_DICT (the default) gathers the model for safetensors, which fails on CPU
 # in the stock Trainer too ("Attempted to access the data pointer on an invalid python
 # storage"); the sharded state dict is saved by DCP, which runs on gloo.

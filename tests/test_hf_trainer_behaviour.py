@@ -21,17 +21,9 @@ import snapsvc  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_script import make_trainer, weights  # noqa: E402
+from hf_script import KINDS, close as _close, make_trainer, weights  # noqa: E402
 
 from snapsvc.transformers import STATE_FILE  # noqa: E402
-
-KINDS = ["stock", "snapsvc"]
-
-
-def _close(trainer) -> None:
-    if hasattr(trainer, "close"):
-        trainer.close()
-
 
 class ReadOnSave(TrainerCallback):
     """What an uploading callback (WandbCallback, MLflowCallback, ...) finds in on_save:

@@ -23,17 +23,9 @@ import snapsvc  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import hf_script  # noqa: E402
-from hf_script import StopAt, make_dataset, make_trainer, weights  # noqa: E402
+from hf_script import KINDS, StopAt, close as _close, make_dataset, make_trainer, weights  # noqa: E402
 
 from snapsvc.transformers import STAGING_PREFIX, STATE_FILE  # noqa: E402
-
-KINDS = ["stock", "snapsvc"]
-
-
-def _close(trainer) -> None:
-    if hasattr(trainer, "close"):
-        trainer.close()
-
 
 def _checkpoints(out: str) -> list[str]:
     return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
