@@ -14,8 +14,9 @@ The file order of the entries is independent of where they sit in the slot.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -40,8 +41,10 @@ STATE, STATE_STEP = "state", "state_step"
 EARLY = frozenset((BUFFER, STATE))
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """One tensor of a layout. A named tuple: a submit whose names change lays out
+    hundreds of them, and a frozen dataclass costs several times more to make."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -81,28 +84,21 @@ class Layout:
     def of(cls, params: Iterable[tuple[str, torch.Tensor]],
            buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
            optim: Iterable[tuple[str, torch.Tensor]] = (),
-           state: Iterable[tuple[str, str, torch.Tensor]] = ()) -> "Layout":
+           state: Iterable[tuple[str, str, torch.Tensor]] = (), *,
+           checked: bool = False) -> "Layout":
         """Specs in file order: ``params``, ``buffers``, then ``state`` as
         (kind, name, tensor) triples, then ``optim`` (a file of its own).
-        Offsets: group by group (see :attr:`groups`), packed inside each."""
+        Offsets: group by group (see :attr:`groups`), packed inside each.
+        ``checked``: the caller ran :func:`~snapsvc.format.fdl.check_encodable`
+        on every entry already (a submit's plan does, naming key paths)."""
         triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
                    *state, *((OPTIM, n, t) for n, t in optim)]
-        for _, name, t in triples:  # refuse before anything is staged
-            fdl.check_encodable(name, t, datafile.framing_of(t.dtype) or fdl.FDL)
-        sizes = [t.numel() * t.element_size() for _, _, t in triples]
-        groups: dict[tuple[bool, torch.dtype], list[int]] = {}
-        for i, (kind, _, t) in enumerate(triples):
-            groups.setdefault(_group_key(kind, t.dtype), []).append(i)
-        offsets = [0] * len(triples)
-        offset = HEADER
-        for indices in groups.values():  # the order _grouped() gives
-            for i in indices:
-                offsets[i] = offset
-                offset += sizes[i]
-            offset = -(-offset // ALIGN) * ALIGN
-        specs = tuple(TensorSpec(name, tuple(t.shape), t.dtype, off, n, kind)
-                      for (kind, name, t), off, n in zip(triples, offsets, sizes))
-        return cls(specs, offset, structural_hash)
+        if not checked:
+            for _, name, t in triples:  # refuse before anything is staged
+                fdl.check_encodable(name, t, datafile.framing_of(t.dtype) or fdl.FDL)
+        places, nbytes = _place(tuple((kind, t.shape, t.dtype) for kind, _, t in triples))
+        specs = tuple(TensorSpec(name, *place) for (_, name, _), place in zip(triples, places))
+        return cls(specs, nbytes, structural_hash)
 
     @functools.cached_property
     def groups(self) -> tuple[Group, ...]:
@@ -130,6 +126,27 @@ class Layout:
 _DTYPE_NAME = {d: str(d).removeprefix("torch.")
                for table in (fdl.DTYPE_TO_TAG, datafile.DTYPE_TO_TAG) for d in table}
 _NAMED_DTYPE = {name: d for d, name in _DTYPE_NAME.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _place(kinds: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+           ) -> tuple[tuple[tuple, ...], int]:
+    """Each entry's (shape, dtype, offset, nbytes, kind), given (kind, shape, dtype) in
+    file order, and the layout's size. Cached: a checkpoint whose names change at every
+    save (Lightning's ``best_k_models``) keeps its shapes, and is placed once."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in kinds]
+    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+    for i, (kind, _, dtype) in enumerate(kinds):
+        groups.setdefault(_group_key(kind, dtype), []).append(i)
+    offsets = [0] * len(kinds)
+    offset = HEADER
+    for indices in groups.values():  # the order _grouped() gives
+        for i in indices:
+            offsets[i] = offset
+            offset += sizes[i]
+        offset = -(-offset // ALIGN) * ALIGN
+    return tuple((tuple(shape), dtype, off, n, kind)
+                 for (kind, shape, dtype), off, n in zip(kinds, offsets, sizes)), offset
 
 
 def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
