@@ -88,9 +88,54 @@ def _state(model, opt, i):
 
 def _same_flat(a: tree.Flat, b: tree.Flat) -> None:
     assert a.tree == b.tree and a.structural_hash == b.structural_hash
+    assert a.kinds == b.kinds and _kinds(a.tree) == _kinds(b.tree)
     for x, y in ((a.params, b.params), (a.buffers, b.buffers), (a.rest, b.rest)):
         assert [e[:-1] for e in x] == [e[:-1] for e in y]
         assert all(e[-1] is f[-1] for e, f in zip(x, y))
+
+
+def _kinds(node) -> list:
+    """Every container's type in ``node``, depth first (== ignores OrderedDict vs dict)."""
+    if isinstance(node, dict):
+        return [type(node), *(x for k, v in node.items() for x in [k, *_kinds(v)])]
+    if isinstance(node, (list, tuple)):
+        return [type(node), *(x for v in node for x in _kinds(v))]
+    return [_kinds(node.value)] if hasattr(node, "value") else []
+
+
+# Changes to an optimizer's whole per-parameter state (one memo part, a dict of dicts).
+def _param_state_dropped(opt) -> None:
+    del opt.state[opt.param_groups[0]["params"][1]]
+
+
+def _param_state_ordered(opt) -> None:
+    import collections
+    p = opt.param_groups[0]["params"][1]
+    opt.state[p] = collections.OrderedDict(opt.state[p])
+
+
+def _param_state_added(opt) -> None:
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+    opt.state[opt.param_groups[1]["params"][0]] = {"step": torch.tensor(1.0),
+                                                   "exp_avg": torch.ones(3)}
+
+
+def _param_state_same_tensors_new_dict(opt) -> None:
+    p = opt.param_groups[0]["params"][1]
+    opt.state[p] = dict(opt.state[p])
+
+
+@pytest.mark.parametrize("mutate", [_param_state_dropped, _param_state_ordered,
+                                    _param_state_added, _param_state_same_tensors_new_dict],
+                         ids=lambda f: f.__name__)
+def test_a_changed_optimizer_state_table_is_noticed(mutate):
+    model, opt = _setup()
+    memo = tree.WalkMemo(pools.tensor_guard)
+    for _ in range(2):
+        tree.flatten(_state(model, opt, 0), memo)
+    mutate(opt)
+    state = _state(model, opt, 1)
+    _same_flat(tree.flatten(state, memo), tree.flatten(state))
 
 
 @pytest.fixture
@@ -124,6 +169,8 @@ def test_a_changed_optimizer_state_is_noticed(guard, mutate, monkeypatch, walked
     model, opt = _setup()
     memo = tree.WalkMemo(lambda ts: pools.tensor_guard(ts))
     tree.flatten(_state(model, opt, 0), memo)
+    tree.flatten(_state(model, opt, 0), memo)  # the whole optimizer state reused as one part
+    assert ("map", ("opt", "state"), True) in memo.parts
     mutate(_exp_avg(opt, 1))
     state = _state(model, opt, 1)
     walked.clear()

@@ -130,6 +130,9 @@ class _Part:
     rest: list[tuple[str, str, torch.Tensor]]
     names: dict[str, tuple]
     structural_hash: str | None
+    # the parts walked inside it (an optimizer state's per-parameter ones): kept
+    # with it, so a change in one parameter's state later re-walks only that one
+    inner: dict[tuple, "_Part"]
 
 
 class WalkMemo:
@@ -203,6 +206,30 @@ class StepState:
         self.value = value
 
 
+def _leaves(v: Mapping, kind: str | None) -> tuple[Any, list] | None:
+    """What a memo part of mapping ``v`` is checked by: (its keys, their types and
+    its kind (1 == True), its leaves), where its values are all leaves (an
+    optimizer's per-parameter state), or all plain dicts of leaves (an
+    optimizer's whole ``state``: one part, not one per parameter); else None."""
+    values = list(v.values())
+    if all(map(_is_leaf, values)):
+        return (kind, tuple(v), tuple(map(type, v))), values
+    if not all(type(d) is dict for d in values):
+        return None
+    held = [x for d in values for x in d.values()]
+    if not all(map(_is_leaf, held)):
+        return None
+    return (kind, tuple(v), tuple(map(type, v)),
+            tuple((tuple(d), tuple(map(type, d))) for d in values)), held
+
+
+def _has_inline(node: dict) -> bool:
+    """Whether a mapping's tree node (of :func:`_leaves`'s shape) holds an inline tensor."""
+    return any(type(x) is InlineTensor
+               or type(x) is dict and any(type(y) is InlineTensor for y in x.values())
+               for x in node.values())
+
+
 class _Walker:
     def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
                  shard: Shard | None = None, memo: WalkMemo | None = None) -> None:
@@ -227,6 +254,7 @@ class _Walker:
                 part.names):
             return None
         self.names.update(part.names)
+        self.parts.update(part.inner)
         self.flat.params += part.params
         self.flat.buffers += part.buffers
         self.flat.rest += part.rest
@@ -235,9 +263,13 @@ class _Walker:
         self.parts[key] = part
         return part.node
 
+    def marks(self) -> tuple[int, int, int, int]:
+        """How many params, buffers, rest entries and parts this walk has so far."""
+        return len(self.flat.params), len(self.flat.buffers), len(self.flat.rest), len(self.parts)
+
     def remember(self, key: tuple, what: Any, held: list, node: Any,
-                 marks: tuple[int, int, int], structural_hash: str | None = None) -> None:
-        """Keep what was walked since ``marks`` (lengths of params, buffers, rest) as part ``key``."""
+                 marks: tuple[int, int, int, int], structural_hash: str | None = None) -> None:
+        """Keep what was walked since ``marks`` (see :meth:`marks`) as part ``key``."""
         flat = self.flat
         params, buffers, rest = (flat.params[marks[0]:], flat.buffers[marks[1]:],
                                  flat.rest[marks[2]:])
@@ -248,8 +280,9 @@ class _Walker:
             return
         names = {n: self.names[n] for n in [*(n for n, _ in params), *(n for n, _ in buffers),
                                             *(n for _, n, _ in rest)]}
+        inner = dict(list(self.parts.items())[marks[3]:])
         self.parts[key] = _Part(what, list(held), self.memo.guard(tensors), picks, node,
-                                params, buffers, rest, names, structural_hash)
+                                params, buffers, rest, names, structural_hash, inner)
 
     def show(self, path: tuple) -> str:
         return _show(path, self.root)
@@ -317,16 +350,15 @@ class _Walker:
                 except ValueError as e:
                     raise self.refuse(path, str(e)) from None
                 self.flat.kinds |= kind is not None
-                if self.memo is not None and all(map(_is_leaf, v.values())):
-                    key, held = ("map", path, step), list(v.values())
-                    # its kind and key types too (1 == True)
-                    what = (kind, tuple(v), tuple(map(type, v)))
+                shape = _leaves(v, kind) if self.memo is not None else None
+                if shape is not None:
+                    key, (what, held) = ("map", path, step), shape
                     node = self.reuse(key, what, held)
                     if node is not None:
                         return node
-                    marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+                    marks = self.marks()
                     node = kinds.like(v, self.mapping(v, path, step))
-                    if not any(type(x) is InlineTensor for x in node.values()):
+                    if not _has_inline(node):  # an inline tensor is a value of this moment
                         self.remember(key, what, held, node, marks)
                     return node
                 return kinds.like(v, self.mapping(v, path, step))
@@ -407,7 +439,7 @@ class _Walker:
         node = self.reuse(key, m, held)
         if node is not None:
             return node
-        marks = (len(self.flat.params), len(self.flat.buffers), len(self.flat.rest))
+        marks = self.marks()
         node = self.walk_module(m, path)
         # tensors only: an inline tensor or an extra state is a value of this moment
         if all(type(x) is TensorRef for x in node.value.values()):
