@@ -64,7 +64,7 @@ def drop_root(stage: str, path: str) -> None:
 
 
 def note_torch(record: str, stage: str, path: str) -> None:
-    """At "start" (before READY), write to ``record`` whether the sidecar has imported torch."""
-    if stage == "start":
-        with open(record, "w") as f:
-            f.write(str("torch" in sys.modules))
+    """At every stage ("start" is before READY), write to ``record`` the stage
+    and whether the sidecar has imported torch: ``"start False"``."""
+    with open(record, "w") as f:
+        f.write(f"{stage} {'torch' in sys.modules}")

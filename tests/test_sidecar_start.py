@@ -107,20 +107,40 @@ def test_a_module_run_with_python_m_runs_its_top_level_once(tmp_path):
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_the_sidecar_answers_ready_before_it_imports_torch(tmp_path):
-    """What lets it start fast (a figure of benchmarks/stall.py, not asserted):
-    torch (seconds to import) comes after READY, off the training loop's wait."""
+def test_the_sidecar_never_imports_torch(tmp_path):
+    """It answers READY within a bare interpreter's start and writes every kind
+    of file without torch (start time, memory, CPU: benchmarks/sidecar_cost.py):
+    a model with its optimizer state, gzip, keep_last's rotation, and a nested
+    state with a bool tensor (the data file). Both the Python module and the
+    shared library are checked, after the last write."""
     import functools
 
     import torch
 
     import hooks
-    record = tmp_path / "torch-at-start"
+    from snapsvc.files.meta import data_path, optim_path
+    record = tmp_path / "torch-seen"
     hook = functools.partial(hooks.note_torch, str(record))
-    with snapsvc.SnapshotWriter(tmp_path, fault_hook=hook) as w:
-        assert record.read_text() == "False"
-        w.submit(torch.nn.Linear(3, 2), "a.fdl", epoch=1).result(timeout=120)
-    assert snapsvc.load_snapshot(tmp_path / "a.fdl").epoch == 1
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"model": net, "optimizer": opt, "mask": torch.tensor([True, False]), "step": 3}
+    with snapsvc.SnapshotWriter(tmp_path, fault_hook=hook, keep_last=1) as w:
+        assert record.read_text() == "start False"
+        for i in (1, 2):
+            w.submit(net, f"m{i}.fdl.gz", epoch=i, optimizer=opt).result(timeout=120)
+        w.submit(state, "s.fdl").result(timeout=120)
+        stage, seen = record.read_text().split()
+        assert stage != "start" and seen == "False"  # as the last write ended
+        with open(f"/proc/{w.pid}/maps") as f:
+            assert "libtorch" not in f.read()
+    assert os.path.exists(optim_path(tmp_path / "m2.fdl.gz"))
+    assert not os.path.exists(tmp_path / "m1.fdl.gz")  # keep_last=1
+    assert os.path.exists(data_path(tmp_path / "s.fdl"))
+    assert snapsvc.load_snapshot(tmp_path / "m2.fdl.gz").epoch == 2
+    back = snapsvc.load(tmp_path / "s.fdl")
+    assert torch.equal(back["mask"], state["mask"]) and back["step"] == 3
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])

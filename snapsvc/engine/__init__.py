@@ -37,8 +37,8 @@ Who owns what::
     pools.py     SlotPools: slots per layout, copy plans, memory budget
     copier.py    Copier: blocking copy, overlap thread, CUDA stream           its own lock
     sidecar.py   Sidecar: the interpreter, its channels, handshake, reader    _send_lock
-    worker.py    the sidecar process's loop, without torch: READY, slots, claims
-    writes.py    the sidecar's torch half: encoders, durable writes, keep_last
+    worker.py    the sidecar process's loop: READY, slots, claims (the sidecar never imports torch)
+    writes.py    the sidecar's writing half: encoders over slot spans, durable writes, keep_last
     exits.py     SIGTERM and atexit: drain what is queued, bounded
 
 Locking. ``Book.cond`` (one lock) guards every piece of shared state:

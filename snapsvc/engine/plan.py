@@ -68,7 +68,7 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
     key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
            tuple((n, t.shape, t.dtype) for n, t in pairs), h)
     return Request([t for _, t in pairs], key,
-                   lambda: Layout.of(params, buffers, h, optim, state, checked=True), pin)
+                   lambda: Layout.of(params, buffers, h, optim, state), pin)
 
 
 def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,

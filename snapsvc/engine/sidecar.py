@@ -52,11 +52,11 @@ log = logging.getLogger("snapsvc")
 START_TIMEOUT = 120.0  # a bare interpreter answers in about a second; generous for a loaded box
 # The whole program of the sidecar's interpreter: the trainer's import path
 # (so it imports this very snapsvc, and tests' hooks), then the writer's
-# entry. The package's __init__ (it imports torch: seconds) is registered but
-# not run: the worker runs it on a thread once it has answered READY.
+# entry. The package's __init__ (it imports torch: seconds, ~220 MB) is
+# registered but never run: nothing the sidecar imports needs torch.
 _BOOT = ("import sys, importlib.util as u; sys.path[:] = {path!r}; "
-         "s = u.find_spec('snapsvc'); m = sys.modules['snapsvc'] = u.module_from_spec(s); "
-         "from snapsvc.engine.worker import boot; boot(lambda: s.loader.exec_module(m))")
+         "s = u.find_spec('snapsvc'); sys.modules['snapsvc'] = u.module_from_spec(s); "
+         "from snapsvc.engine.worker import boot; boot()")
 
 
 class Process:

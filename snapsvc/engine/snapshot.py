@@ -86,6 +86,7 @@ def snapshot_cpu(model: nn.Module, *, metrics: Mapping[str, float] | None = None
                  epoch: int = 0) -> ModelSnapshot:
     """Copy ``model``'s parameters (detached) and persistent buffers into shared CPU memory."""
     params, buffers = model_sources(model)
+    datafile.check_entries(params + buffers)  # refused before anything is allocated
     layout = Layout.of(params, buffers, layout_hash(params, buffers))
     views = staging.views(staging.allocate(layout), layout)
     staging.copy_into(views, [t for _, t in params + buffers])

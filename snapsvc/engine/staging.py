@@ -24,6 +24,7 @@ from typing import Sequence, Union
 
 import torch
 
+from ..format.fdl import DTYPES
 from ..format.layout import Layout
 
 __all__ = ["allocate", "slot_fd", "claim_word", "views", "group_views", "Step", "copy_groups",
@@ -76,13 +77,15 @@ def unpin(flat: torch.Tensor) -> None:
 
 
 def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    """The slot's tensors, in layout order, as views of ``flat``."""
-    return [flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in layout.specs]
+    """The slot's tensors, in layout order, as views of ``flat`` (the trainer's;
+    the sidecar reads them as spans of its mapping: ``Layout.spans``)."""
+    return [flat[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
+            for s in layout.specs]
 
 
 def group_views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """Each group's memory in ``flat``, as one flat tensor of its dtype."""
-    return [flat[g.offset:g.offset + g.nbytes].view(g.dtype) for g in layout.groups]
+    return [flat[g.offset:g.offset + g.nbytes].view(DTYPES[g.dtype]) for g in layout.groups]
 
 
 # How a plan fills part of a group: (flat aliases of a run of sources, first

@@ -5,12 +5,13 @@ straight out of its shared-memory slot into a durable ``.fdl`` file plus
 metadata, and reports back in submit order. See :mod:`snapsvc.engine` for
 the whole data flow.
 
-Fast start. This module does not import torch, nor does the interpreter's
-boot run ``snapsvc/__init__`` (which does) before READY: the sidecar answers
-READY and maps the slots it is handed within a bare interpreter's start,
-while torch and :mod:`snapsvc.engine.writes` (the encoders and the durable write)
-are imported on a thread. Only the first WRITE waits for that import, in the
-sidecar, not in the training loop.
+No torch. Neither this module nor :mod:`snapsvc.engine.writes` (the encoders
+and the durable write) imports torch, and the interpreter's boot never runs
+``snapsvc/__init__`` (which does): a slot's tensors are spans of its mapping,
+so the sidecar costs a bare interpreter's start and memory, not torch's. It
+answers READY and maps the slots it is handed at once, while
+:mod:`snapsvc.engine.writes` is imported on a thread; only the first WRITE
+waits for that import, in the sidecar, not in the training loop.
 
 Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
 queued but not yet started. Each slot's header holds an int64 claim word,
@@ -98,7 +99,7 @@ class _Slot:
 
     A WRITE whose layout differs from the last one the slot held carries it
     (names change, the tensor bytes stay where they are). Encoders are built
-    by :mod:`snapsvc.engine.writes` once torch is in, at most once per kept
+    by :mod:`snapsvc.engine.writes` once it is imported, at most once per kept
     layout.
     """
 
@@ -144,7 +145,7 @@ class _Sidecar:
         self._send_lock = threading.Lock()  # the uploader thread reports too
 
     def files(self) -> Any:
-        """The torch half (waits for its import); starts its uploader after READY."""
+        """The writing half (waits for its import); starts its uploader after READY."""
         assert self.later is not None
         files = self.later.get()
         if files.uploader is not None and not self.uploads_started:
@@ -287,14 +288,13 @@ class _Later:
         return self._value
 
 
-def boot(init_package: Callable[[], None]) -> None:
+def boot() -> None:
     """Entry point of the sidecar's interpreter (see :mod:`snapsvc.engine.sidecar`).
 
     Its arguments are the file descriptors it inherited: request socket,
     report pipe, sentinel and claim lock. Each is made non-inheritable, so
     nothing the writer might start keeps them (and the sentinel) open. The
-    first message holds the pickled options. ``init_package`` runs
-    ``snapsvc/__init__`` (which imports torch), left out of the start.
+    first message holds the pickled options.
     """
     req_fd, rep_fd, sentinel_fd, lock_fd = (int(a) for a in sys.argv[1:5])
     for fd in (req_fd, rep_fd, sentinel_fd, lock_fd):
@@ -302,11 +302,11 @@ def boot(init_package: Callable[[], None]) -> None:
     req = Connection(os.dup(req_fd))
     options = pickle.loads(req.recv_bytes())
     writer_main(req, socket.socket(fileno=req_fd), Connection(rep_fd, readable=False),
-                ClaimLock(lock_fd), options, init_package)
+                ClaimLock(lock_fd), options)
 
 
 def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock: ClaimLock,
-                options: dict[str, Any], init_package: Callable[[], None]) -> None:
+                options: dict[str, Any]) -> None:
     """The writer's loop, in its own process: the sidecar's ``boot`` calls it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write should fail with EFBIG, not kill the sidecar.
@@ -328,7 +328,6 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
         remote["remote_uncommit"] = options.get("remote_uncommit", ())
 
     def files() -> Any:
-        init_package()
         writes = importlib.import_module(".writes", __package__)
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
                             options.get("written", ()), remote=remote, report=side.report)

@@ -1,8 +1,12 @@
-"""The sidecar's torch half: a slot's encoders and one snapshot's durable write.
+"""The sidecar's writing half: a slot's encoders and one snapshot's durable write.
 
-:mod:`snapsvc.engine.worker` runs the sidecar's loop without torch, so the
-sidecar answers READY and maps slots while this module (and torch) is still
-being imported; its first write waits for the import.
+No torch, here or in anything it imports: a slot's tensors are spans of its
+shared-memory mapping (:meth:`~snapsvc.format.layout.Layout.spans`), encoded
+by :class:`snapsvc.format.framing.Encoder`, the encoder behind
+:class:`snapsvc.format.fdl.Encoder`, so the files are the bytes the trainer's
+own encoder would write. :mod:`snapsvc.engine.worker` imports this module on
+a thread after READY (the remote tier's client may take a while); the first
+write waits for it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,12 @@ import re
 import threading
 from typing import Any, Callable
 
-import torch
-
 from ..files.durable import set_aside, unlink_quietly
-from ..files.meta import Meta, checkpoint_names, data_path, optim_path, write_with_meta
-from ..format import datafile, fdl, kinds, protocol
+from ..files.metafile import Meta, checkpoint_names, data_path, optim_path, write_with_meta
+from ..format import kinds, protocol
+from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
 from ..remote.upload import UploadJob, Uploader
-from . import staging
 
 __all__ = ["Encoders", "Files"]
 
@@ -32,24 +34,19 @@ _DIGITS = re.compile(r"\d+")
 
 
 class Encoders:
-    """A slot's tensors as encoders, built once: a write only moves data."""
+    """A slot's spans as encoders, built once: a write only moves data."""
 
     def __init__(self, layout: Layout, memory: mmap.mmap) -> None:
-        if layout.nbytes > len(memory):
-            raise ValueError(f"a layout of {layout.nbytes} bytes does not fit in an arena "
-                             f"of {len(memory)}")
         self.layout = layout
-        views = staging.views(torch.frombuffer(memory, dtype=torch.uint8), layout)
         # Headers packed and entries checked once, here.
         hash_ = bytes.fromhex(layout.structural_hash) if layout.structural_hash else None
-        pairs = list(zip(layout.specs, views))
-        self.model = fdl.Encoder([(s.name, t) for s, t in pairs
-                                  if s.kind != OPTIM and not s.in_data_file],
-                                 structural_hash=hash_)
-        self.optim = fdl.Encoder([(s.name, t) for s, t in pairs if s.kind == OPTIM])
+        pairs = list(zip(layout.specs, layout.spans(memory)))
+        self.model = Encoder([span for s, span in pairs if s.kind != OPTIM and not s.in_data_file],
+                             structural_hash=hash_)
+        self.optim = Encoder([span for s, span in pairs if s.kind == OPTIM])
         # the tensors .fdl has no tag for, in a file of their own; None when there are none
-        rest = [(s.name, t) for s, t in pairs if s.in_data_file]
-        self.data = fdl.Encoder(rest, framing=datafile.DATA) if rest else None
+        rest = [span for s, span in pairs if s.in_data_file]
+        self.data = Encoder(rest, framing=DATA) if rest else None
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
@@ -65,7 +62,6 @@ class Files:
     def __init__(self, keep_last: int | None, compress_level: int | None,
                  written: Any = (), remote: dict[str, Any] | None = None,
                  report: Callable[..., None] | None = None) -> None:
-        torch.set_num_threads(1)  # leave the cores to training; encoding is memory-bound
         self.keep_last = keep_last
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first

@@ -4,9 +4,11 @@ What each module holds::
 
     durable.py     temp file -> fsync -> rename -> directory fsync; stale temps; fault hooks
     checkpoint.py  one .fdl file: save, read, read_verified, load into a model, migrate
-    meta.py        the .meta file beside a checkpoint; every file name of a checkpoint
+    metafile.py    the .meta file beside a checkpoint; every file name of a checkpoint; the
+                   durable write of a checkpoint from encoders (no torch: the sidecar's)
+    meta.py        metafile, plus writing (name, tensor) pairs and reading with the data file
     verify.py      check a checkpoint and its companions without loading them
     convert.py     .fdl <-> .safetensors <-> .pt
 
-Imports: ``format`` and ``errors``.
+Imports: ``format`` and ``errors``. durable, metafile and verify import no torch.
 """

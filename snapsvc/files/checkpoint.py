@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import mmap
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Union
 
@@ -24,10 +23,11 @@ from torch import nn
 from isal import isal_zlib
 
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
-from ..format import datafile, fdl
-from .durable import DurableFile, commit, staged_write
-from ..format.streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, gzip_writer,
-                      is_gzip_path, open_source)
+from ..format import fdl
+from .durable import commit
+from .metafile import FileStats, file_framing, stage_checkpoint_file
+from ..format.streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile,
+                              is_gzip_path, open_source)
 
 __all__ = [
     "Checkpoint",
@@ -130,37 +130,6 @@ def _pairs(tensors: Tensors | None) -> list[tuple[str, torch.Tensor]]:
 
 
 # -- save ----------------------------------------------------------------------
-@dataclass
-class FileStats:
-    """What writing one checkpoint file cost, and what it holds."""
-
-    path: str
-    bytes: int          # on disk (compressed, when gzip)
-    crc32: int          # of the bytes on disk
-    stream_bytes: int   # uncompressed .fdl stream
-    encode_s: float     # encoding and compression, excluding OS writes
-    write_s: float      # inside the OS's write calls
-    fsync_s: float      # file and directory fsync
-
-
-def stage_checkpoint_file(path: str | os.PathLike[str], encoder: fdl.Encoder, *,
-                          compress_level: int | None = None) -> tuple[DurableFile, int, float]:
-    """Write ``encoder``'s stream into a fsynced temp file beside ``path`` (gzip on ``.gz``).
-
-    Returns (the staged file, uncompressed stream bytes, encode seconds). The
-    caller must :func:`~snapsvc.files.durable.commit` or ``discard`` it.
-    """
-    t0 = time.perf_counter()
-    with staged_write(path) as out:
-        # Both consume each write before returning: the encoder may reuse its buffer.
-        if is_gzip_path(path):
-            with gzip_writer(out, compress_level) as gz:
-                stream_bytes = encoder.write(gz, reuse=True)
-        else:
-            stream_bytes = encoder.write(out, reuse=True)
-    return out, stream_bytes, time.perf_counter() - t0 - out.write_s - out.fsync_s
-
-
 def write_checkpoint_file(path: str | os.PathLike[str], entries: list[tuple[str, torch.Tensor]],
                           hash_: bytes, *, compress_level: int | None = None) -> FileStats:
     """Encode ``entries`` durably to ``path`` (gzip when it ends in ``.gz``)."""
@@ -424,14 +393,6 @@ def checkpoint_keys(src: PathOrFile) -> list[str]:
     with open_source(src) as s:
         dec = fdl.Decoder(s.stream, size=s.size, seekable=s.seekable, path=s.path)
         return [e.name for e in dec.entries(load=False)]
-
-
-def file_framing(path: str | os.PathLike[str]) -> fdl.Framing:
-    """Which format in ``.fdl``'s framing the file at ``path`` is, by its magic
-    (plain or gzip): a data file (:data:`snapsvc.format.datafile.DATA`), else ``.fdl``
-    (whose decoder then names a bad magic)."""
-    with open_source(path) as s:
-        return datafile.DATA if s.stream.read(4) == datafile.MAGIC else fdl.FDL
 
 
 def checkpoint_version(src: PathOrFile) -> int:

@@ -4,7 +4,8 @@ One pass over the file: every byte goes through a CRC-32 (the same one the
 writer recorded in the metadata) while the ``.fdl`` structure is decoded
 without keeping the data. CRC-32 catches every single-byte corruption and
 every burst up to 32 bits; the size, entry count, buffer names and hash in
-the metadata are compared too.
+the metadata are compared too. Structure only, no tensors: no torch either
+(:mod:`snapsvc.remote`, which the writer sidecar's uploader is part of, uses it).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from ..format import fdl
+from ..format.framing import FDL, Decoder, Framing, Header
 from ..format.streams import open_source
-from .checkpoint import file_framing
-from .meta import Meta, companions, read_meta
+from .metafile import Meta, companions, file_framing, read_meta
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -44,14 +44,14 @@ class VerifyReport:
         return "\n".join(self.problems)
 
 
-def _scan(path: str, problems: list[str], framing: fdl.Framing = fdl.FDL
-          ) -> tuple[int, int, int, fdl.Header | None]:
+def _scan(path: str, problems: list[str], framing: Framing = FDL
+          ) -> tuple[int, int, int, Header | None]:
     """Decode ``path``'s structure and checksum every byte: (size, crc32, entries, header)."""
     entries, header = 0, None
     try:
         with open_source(path, checksum=True) as s:
             assert s.tap is not None
-            dec = fdl.Decoder(s.stream, size=s.size, path=path, framing=framing)
+            dec = Decoder(s.stream, size=s.size, path=path, framing=framing)
             try:
                 entries = sum(1 for _ in dec.entries(load=False))
                 header = dec.header
@@ -96,9 +96,9 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
         if require_meta or os.path.exists(path + ".meta"):
             problems.append(str(e))
     try:  # given on its own (require_meta=False), a data file is read as one
-        framing = fdl.FDL if report.meta is not None else file_framing(path)
+        framing = FDL if report.meta is not None else file_framing(path)
     except OSError:
-        framing = fdl.FDL  # _scan says why it cannot be read
+        framing = FDL  # _scan says why it cannot be read
     report.size, report.crc32, report.entries, header = _scan(path, problems, framing)
     meta = report.meta
     if meta is None:

@@ -2,7 +2,8 @@
 
 What each module holds::
 
-    fdl.py        flodl's .fdl format: dtype tables, Encoder, Decoder (no files, no threads)
+    framing.py    .fdl's framing without torch: tags by name, the span Encoder, the Decoder
+    fdl.py        flodl's .fdl format over tensors: torch dtype tables, Encoder, Decoder
     datafile.py   the data file: .fdl's framing, snapsvc's tags for the dtypes .fdl lacks
     protocol.py   msgpack values (tuples, int keys, tensors refs) and the sidecar's messages
     kinds.py      Counter / OrderedDict / defaultdict: a table beside a plain msgpack tree
@@ -11,4 +12,6 @@ What each module holds::
     layout.py     where each tensor of a snapshot lives inside a shared-memory slot
 
 Imports: ``snapsvc.errors`` only. Nothing here opens a process or a thread.
+framing, layout, protocol, kinds, bounded and streams import no torch: the
+writer sidecar uses them.
 """

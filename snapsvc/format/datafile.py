@@ -14,6 +14,9 @@ with this module's magic, version and dtype tags::
 
 The same decoder reads it, so every declared length is bounded before
 anything is allocated and a cut file is a FormatError naming file and offset.
+The torch-free part (magic, tags by name, :data:`DATA`) is in
+:mod:`snapsvc.format.framing`, for the writer sidecar; this module adds the
+torch dtypes.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import EncodeError
-from . import fdl
+from . import fdl, framing
 
 __all__ = ["MAGIC", "VERSION", "DTYPE_TO_TAG", "TAG_TO_DTYPE", "DATA", "framing_of",
            "check_entries"]
 
-MAGIC = b"SNPD"
-VERSION = 1
+MAGIC = framing.DATA_MAGIC
+VERSION = framing.DATA_VERSION
 
-# snapsvc's own tags, not flodl's: both directions written out.
+# snapsvc's own tags, not flodl's, as torch dtypes (framing.DATA_TAGS names
+# them): both directions written out.
 DTYPE_TO_TAG: dict[torch.dtype, int] = {
     torch.bool: 1,
     torch.uint8: 2,
@@ -57,7 +61,7 @@ TAG_TO_DTYPE: dict[int, torch.dtype] = {
     11: torch.float8_e5m2,
 }
 
-DATA = fdl.Framing("data file", MAGIC, VERSION, (VERSION,), DTYPE_TO_TAG, TAG_TO_DTYPE)
+DATA = framing.DATA
 
 
 def framing_of(dtype: torch.dtype) -> fdl.Framing | None:
@@ -71,14 +75,10 @@ def framing_of(dtype: torch.dtype) -> fdl.Framing | None:
 def check_entries(pairs: list[tuple[str, torch.Tensor]]) -> None:
     """:func:`fdl.check_entries` for a checkpoint and its data file together: each
     entry checked for the file its dtype goes to, names unique across both."""
-    seen: set[str] = set()
     for name, t in pairs:
-        framing = framing_of(getattr(t, "dtype", None))
-        if framing is None and isinstance(t, torch.Tensor):
+        to = framing_of(getattr(t, "dtype", None))
+        if to is None and isinstance(t, torch.Tensor):
             raise EncodeError(f"entry {name!r}: dtype {t.dtype} cannot be stored; the .fdl takes "
                               f"{fdl.FDL.dtype_names}, the data file {DATA.dtype_names}")
-        fdl.check_encodable(name, t, framing or fdl.FDL)
-        if name in seen:
-            raise EncodeError(f"entry {name!r} appears twice; names in one checkpoint must be "
-                              "unique")
-        seen.add(name)
+        fdl.check_encodable(name, t, to or fdl.FDL)
+    framing.check_unique((name for name, _ in pairs), "checkpoint")

@@ -9,6 +9,10 @@ packed back to back in a *group* that starts 64-byte aligned::
             ^ int64 claim word          ^ tensors of one (phase, dtype), packed
 
 The file order of the entries is independent of where they sit in the slot.
+
+No torch here: a spec names its dtype (``"float32"``, torch's name without
+``torch.``), so the writer sidecar rebuilds a layout from its message and
+reads each tensor's bytes as a span of the slot's mapping (:meth:`Layout.spans`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
-import torch
-
-from . import datafile, fdl
+from .framing import DATA, FDL, Framing, Span
 
 __all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP", "EARLY",
-           "TensorSpec", "Group", "Layout"]
+           "TensorSpec", "Group", "Layout", "dtype_name"]
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
@@ -47,7 +49,7 @@ class TensorSpec(NamedTuple):
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # torch's name, without "torch.": "float32"
     offset: int
     nbytes: int
     kind: str  # PARAM, BUFFER, STATE, STATE_STEP (the model file) or OPTIM (the optimizer file)
@@ -55,7 +57,12 @@ class TensorSpec(NamedTuple):
     @property
     def in_data_file(self) -> bool:
         """Written to the data file (a dtype ``.fdl`` has no tag for), not the ``.fdl``."""
-        return self.dtype not in fdl.DTYPE_TO_TAG
+        return self.dtype not in FDL.tag_of
+
+    @property
+    def framing(self) -> Framing:
+        """The file format its dtype goes to: ``.fdl``, else the data file."""
+        return DATA if self.in_data_file else FDL
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,21 @@ class Group:
     indices: tuple[int, ...]
     offset: int
     nbytes: int
-    dtype: torch.dtype
+    dtype: str
 
 
-def _group_key(kind: str, dtype: torch.dtype) -> tuple[bool, torch.dtype]:
+def _group_key(kind: str, dtype: str) -> tuple[bool, str]:
     return kind in EARLY, dtype
+
+
+@functools.cache
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name as a spec holds it: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+# Bytes per element of every dtype either file stores, by name.
+_ITEMSIZE = {name: size for f in (FDL, DATA) for name, size in f.tags.values()}
 
 
 @dataclass(frozen=True)
@@ -81,22 +98,19 @@ class Layout:
     structural_hash: str
 
     @classmethod
-    def of(cls, params: Iterable[tuple[str, torch.Tensor]],
-           buffers: Iterable[tuple[str, torch.Tensor]], structural_hash: str,
-           optim: Iterable[tuple[str, torch.Tensor]] = (),
-           state: Iterable[tuple[str, str, torch.Tensor]] = (), *,
-           checked: bool = False) -> "Layout":
+    def of(cls, params: Iterable[tuple[str, Any]], buffers: Iterable[tuple[str, Any]],
+           structural_hash: str, optim: Iterable[tuple[str, Any]] = (),
+           state: Iterable[tuple[str, str, Any]] = ()) -> "Layout":
         """Specs in file order: ``params``, ``buffers``, then ``state`` as
         (kind, name, tensor) triples, then ``optim`` (a file of its own).
         Offsets: group by group (see :attr:`groups`), packed inside each.
-        ``checked``: the caller ran :func:`~snapsvc.format.fdl.check_encodable`
-        on every entry already (a submit's plan does, naming key paths)."""
+        The caller has checked every tensor already, where a refusal can name
+        what to change (:func:`snapsvc.format.datafile.check_entries`, or a
+        submit's plan, naming key paths): this module knows no torch."""
         triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
                    *state, *((OPTIM, n, t) for n, t in optim)]
-        if not checked:
-            for _, name, t in triples:  # refuse before anything is staged
-                fdl.check_encodable(name, t, datafile.framing_of(t.dtype) or fdl.FDL)
-        places, nbytes = _place(tuple((kind, t.shape, t.dtype) for kind, _, t in triples))
+        places, nbytes = _place(tuple((kind, t.shape, dtype_name(t.dtype))
+                                      for kind, _, t in triples))
         specs = tuple(TensorSpec(name, *place) for (_, name, _), place in zip(triples, places))
         return cls(specs, nbytes, structural_hash)
 
@@ -112,30 +126,40 @@ class Layout:
 
     def to_msg(self) -> dict[str, Any]:
         return {"hash": self.structural_hash, "nbytes": self.nbytes,
-                "specs": [[s.name, list(s.shape), _DTYPE_NAME[s.dtype], s.offset, s.nbytes,
-                           s.kind] for s in self.specs]}
+                "specs": [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes, s.kind]
+                          for s in self.specs]}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> "Layout":
-        specs = tuple(TensorSpec(name, tuple(shape), _NAMED_DTYPE[dtype], off, n, kind)
+        """A layout from :meth:`to_msg`; ``ValueError`` for a dtype neither file stores."""
+        specs = tuple(TensorSpec(name, tuple(shape), dtype, off, n, kind)
                       for name, shape, dtype, off, n, kind in msg["specs"])
+        for s in specs:
+            if s.dtype not in _ITEMSIZE:
+                raise ValueError(f"entry {s.name!r}: dtype {s.dtype!r} is stored by neither "
+                                 f"file ({FDL.dtype_names}; {DATA.dtype_names})")
         return cls(specs, msg["nbytes"], msg["hash"])
 
-
-# A layout message names each dtype: every dtype either file has a tag for.
-_DTYPE_NAME = {d: str(d).removeprefix("torch.")
-               for table in (fdl.DTYPE_TO_TAG, datafile.DTYPE_TO_TAG) for d in table}
-_NAMED_DTYPE = {name: d for d, name in _DTYPE_NAME.items()}
+    def spans(self, memory: Any) -> list[Span]:
+        """Each spec, in layout order, as the framing's encoder takes it:
+        ``(name, tag, shape, bytes of memory)``, where ``memory`` is the slot's
+        bytes (its mapping, in the sidecar). The views follow the memory."""
+        view = memoryview(memory)
+        if self.nbytes > len(view):
+            raise ValueError(f"a layout of {self.nbytes} bytes does not fit in an arena "
+                             f"of {len(view)}")
+        return [(s.name, s.framing.tag_of[s.dtype], s.shape, view[s.offset:s.offset + s.nbytes])
+                for s in self.specs]
 
 
 @functools.lru_cache(maxsize=16)
-def _place(kinds: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+def _place(kinds: tuple[tuple[str, tuple[int, ...], str], ...]
            ) -> tuple[tuple[tuple, ...], int]:
     """Each entry's (shape, dtype, offset, nbytes, kind), given (kind, shape, dtype) in
     file order, and the layout's size. Cached: a checkpoint whose names change at every
     save (Lightning's ``best_k_models``) keeps its shapes, and is placed once."""
-    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in kinds]
-    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+    sizes = [math.prod(shape) * _ITEMSIZE[dtype] for _, shape, dtype in kinds]
+    groups: dict[tuple[bool, str], list[int]] = {}
     for i, (kind, _, dtype) in enumerate(kinds):
         groups.setdefault(_group_key(kind, dtype), []).append(i)
     offsets = [0] * len(kinds)
@@ -149,8 +173,8 @@ def _place(kinds: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
                  for (kind, shape, dtype), off, n in zip(kinds, offsets, sizes)), offset
 
 
-def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, torch.dtype], list[int]]:
-    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, str], list[int]]:
+    groups: dict[tuple[bool, str], list[int]] = {}
     for i, spec in enumerate(specs):
         groups.setdefault(_group_key(spec.kind, spec.dtype), []).append(i)
     return groups

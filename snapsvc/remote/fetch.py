@@ -27,7 +27,7 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 from isal import isal_zlib
 
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, companions, read_meta
+from ..files.metafile import META_SUFFIX, companions, read_meta
 from ..files.verify import VerifyReport, verify as _verify_local
 from .store import PART, Store, is_url, open_store, scrub, split_url
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, Meta, companions, read_meta
+from ..files.metafile import META_SUFFIX, Meta, companions, read_meta
 from .fetch import run_sync
 from .store import Store, open_store
 

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 from ..files.durable import TMP_SUFFIX
 from ..errors import FormatError
-from ..files.meta import META_SUFFIX, checkpoint_names, companions, read_meta
+from ..files.metafile import META_SUFFIX, checkpoint_names, companions, read_meta
 
 from .store import CorruptSource, Store, open_store, scrub
 
