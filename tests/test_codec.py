@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import snapsvc
-from snapsvc.format import fdl
+from snapsvc.format import datafile, fdl, framing
 from snapsvc.errors import EncodeError
 
 # Written by hand from shared/FORMAT.md, not produced by the encoder.
@@ -49,6 +49,44 @@ def test_tables_are_inverse_and_match_format():
     assert {t: d for d, t in fdl.DTYPE_TO_TAG.items()} == fdl.TAG_TO_DTYPE
     assert fdl.TAG_TO_DTYPE == {1: torch.float16, 2: torch.bfloat16, 3: torch.float32,
                                 4: torch.float64, 5: torch.int32, 6: torch.int64}
+
+
+# The torch-free tables (the sidecar's) and the torch ones (the trainer's), per framing.
+_TABLES = [(framing.FDL, fdl.DTYPE_TO_TAG, fdl.TAG_TO_DTYPE),
+           (framing.DATA, datafile.DTYPE_TO_TAG, datafile.TAG_TO_DTYPE)]
+
+
+@pytest.mark.parametrize("f,tag", [(f, tag) for f, _, _ in _TABLES for tag in f.tags],
+                         ids=lambda v: getattr(v, "name", v))
+def test_torch_free_tags_match_the_torch_tables(f, tag):
+    """Each tag names one torch dtype of its element size, in all four tables."""
+    to_tag, to_dtype = next((a, b) for g, a, b in _TABLES if g is f)
+    name, itemsize = f.tags[tag]
+    dtype = to_dtype[tag]
+    assert f.tag_of[name] == tag and to_tag[dtype] == tag
+    assert str(dtype) == f"torch.{name}" and dtype.itemsize == itemsize
+    assert len(f.tags) == len(f.tag_of) == len(to_tag) == len(to_dtype)
+    assert fdl.tag_dtypes(f) == to_dtype and fdl.dtype_tags(f) == to_tag
+
+
+def test_torch_free_decoder_reads_names_and_bytes():
+    """framing.Decoder (verify's, the sidecar's side) gives dtype names and raw bytes."""
+    raw = bytes.fromhex(PINNED_HEX)
+    got = list(framing.Decoder(io.BytesIO(raw), size=len(raw)).entries())
+    assert [(e.name, e.dtype, e.shape, bytes(e.tensor)) for e in got] == [
+        ("w", "float32", (2,), struct.pack("<2f", 1.0, 2.0)),
+        ("step", "int64", (), struct.pack("<q", 7))]
+
+
+def test_span_encoder_writes_what_fdl_encode_writes():
+    """The sidecar's entries (spans of a slot) and fdl's (tensors) make the same bytes."""
+    spans = [("w", 3, (2,), memoryview(struct.pack("<2f", 1.0, 2.0))),
+             ("step", 6, (), struct.pack("<q", 7))]
+    buf = io.BytesIO()
+    framing.Encoder(spans).write(buf)
+    assert buf.getvalue().hex() == PINNED_HEX
+    with pytest.raises(EncodeError, match="'w': 4 bytes of data for shape"):
+        framing.Encoder([("w", 3, (2,), b"1234")])
 
 
 @pytest.mark.parametrize("tag,dtype", sorted(fdl.TAG_TO_DTYPE.items()))
