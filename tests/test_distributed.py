@@ -199,8 +199,8 @@ def scenario_hung_rank(rank: int, world: int, tmp: str) -> dict:
     flag = os.path.join(tmp, "rank0_done")
     out: dict = {}
     with snapsvc.DistributedSnapshotWriter(d, coord_timeout=5) as w:
-        # The sidecar answers READY before it imports torch; a first write waits for that
-        # import, which on a loaded box can exceed this test's 5 s: write once beforehand.
+        # The sidecar answers READY before it imports its writing half; a first write waits
+        # for that import, slow on a loaded box next to this test's 5 s: write once beforehand.
         w.writer.submit(model, os.path.join(tmp, f"warm{rank}.fdl")).result(timeout=120)
         dist.barrier()  # both sidecars are up: step 1's exchange is well inside 5 s
         out["step1"] = outcome(w.submit(model, 1))

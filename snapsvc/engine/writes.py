@@ -5,8 +5,7 @@ shared-memory mapping (:meth:`~snapsvc.format.layout.Layout.spans`), encoded
 by :class:`snapsvc.format.framing.Encoder`, the encoder behind
 :class:`snapsvc.format.fdl.Encoder`, so the files are the bytes the trainer's
 own encoder would write. :mod:`snapsvc.engine.worker` imports this module on
-a thread after READY (the remote tier's client may take a while); the first
-write waits for it.
+a thread after READY; the first write waits for it.
 """
 
 from __future__ import annotations

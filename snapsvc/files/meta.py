@@ -24,11 +24,9 @@ from ..errors import FormatError
 from ..format import fdl, framing
 from . import metafile
 from .checkpoint import Checkpoint, read_verified
-# Every name this module had before metafile was split off from it.
-from .metafile import (DATA_SUFFIX, KINDS_FIELD, META_MAGIC, META_SUFFIX,  # noqa: F401
-                       META_VERSION, Companion, FileStats, Meta, checkpoint_names, companions, data_owner, data_path,
-                       meta_path, optim_path, parse_meta, read_meta, read_msgpack_file,
-                       stage_meta, unpack_msgpack_map)
+from .metafile import (DATA_SUFFIX, META_SUFFIX, META_VERSION, Companion, FileStats, Meta,
+                       checkpoint_names, companions, data_owner, data_path, meta_path, optim_path,
+                       parse_meta, read_meta, read_msgpack_file, stage_meta, unpack_msgpack_map)
 
 __all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "meta_path",
            "optim_path", "data_path", "data_owner", "checkpoint_names", "companions", "stage_meta",

@@ -224,7 +224,7 @@ class Decoder(_framing.Decoder):
     def _dtype(self, tag: int) -> torch.dtype:
         return tag_dtypes(self._framing)[tag]
 
-    def _data(self, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def _read_data(self, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
         pieces = self._pieces(nbytes, "tensor data",
                               lambda n: torch.empty(n, dtype=torch.uint8), _byte_view)
         data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)

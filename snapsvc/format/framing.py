@@ -337,7 +337,7 @@ class Decoder:
 
     Entries hold the dtype's name and their data as a bytearray;
     :class:`snapsvc.format.fdl.Decoder` gives torch dtypes and tensors
-    (through :meth:`_dtype` and :meth:`_data`).
+    (through :meth:`_dtype` and :meth:`_read_data`).
     """
 
     def __init__(self, stream: BinaryIO, *, size: int | None = None,
@@ -357,7 +357,7 @@ class Decoder:
         """An entry's dtype, from its (known) tag."""
         return self._framing.tags[tag][0]
 
-    def _data(self, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+    def _read_data(self, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
         """Read an entry's ``nbytes`` of data."""
         pieces = self._pieces(nbytes, "tensor data", bytearray)
         return pieces[0] if len(pieces) == 1 else bytearray().join(pieces)
@@ -497,7 +497,7 @@ class Decoder:
         dtype = self._dtype(tag)
         data = None
         if load:
-            data = self._data(nbytes, dtype, tuple(shape))
+            data = self._read_data(nbytes, dtype, tuple(shape))
         else:
             self._skip(nbytes, "tensor data")
         return Entry(name, tuple(shape), dtype, nbytes, offset, data)
