@@ -15,17 +15,21 @@ A LightningModule holds ``--mib`` MiB of float32 parameters (16 MiB tensors)
 trained by AdamW, so each checkpoint is about 3x that (weights + two moments).
 Each step waits ``--ms`` ms, as a host thread waits for its GPU, then AdamW
 updates every parameter. ``ModelCheckpoint(every_n_train_steps=--every,
-monitor="loss", save_top_k=2)`` checkpoints (so ``best_k_models`` changes its
-keys at every save); what is timed per checkpoint:
+monitor="loss", save_top_k=2)`` checkpoints; the logged loss improves at every
+step, so each interval's checkpoint enters the top 2 and the one it pushes out
+is removed: ``best_k_models`` changes its keys at every save, and every save
+asked for is timed (the script fails otherwise). What is timed per checkpoint:
 
   stall     Trainer.save_checkpoint as ModelCheckpoint calls it (Lightning's
             dump of the state, then CheckpointIO.save_checkpoint) plus the
-            removal of the previous file: the time the loop is held
+            removal of the file pushed out of the top 2: the time the loop is held
   wait      overlap: how long the optimizer steps after that save waited
             for its copy (snapsvc's guard); counted in stall too
   io        CheckpointIO.save_checkpoint alone
+  dump      Trainer.save_checkpoint less io: Lightning's own dump of the state
   io+wait   io plus wait, over raw: the copy's share of the stall, without
-            Lightning's dump and the removal (which waits for a pending write)
+            Lightning's dump and the removal
+  rm        CheckpointIO.remove_checkpoint alone
   raw       torch._foreach_copy_ of exactly the tensors of that checkpoint
             into shared memory allocated once, timed right after each save in
             the same process (benchmarks/rawcopy.py): the floor
@@ -34,7 +38,7 @@ The first checkpoint is reported apart (it starts the sidecar, allocates
 slots, warms the page cache); medians are over the rest. ``fit`` is the whole
 fit's wall time, teardown (draining pending writes) included.
 
-    python benchmarks/lightning_stall.py                  # 64 MiB, 60 steps, every 10
+    python benchmarks/lightning_stall.py                  # 64 MiB, 200 steps, every 20: 10 saves
     python benchmarks/lightning_stall.py --mib 256 --steps 80 --out results.txt
 """
 
@@ -89,7 +93,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(args.ms / 1e3)  # the "GPU" computing: the CPU is free meanwhile
             # a gradient on every parameter, at the cost of one pass over them
             loss = sum(p.sum() for p in self.net.parameters()) * 1e-9 + batch[0].sum() * 0
-            self.log("loss", torch.rand(()).item())  # a monitored value that moves the top-k
+            # A monitored loss that improves at every step, as a training loss does on the whole:
+            # every interval's checkpoint enters the top 2, which drops its worst, so
+            # best_k_models changes its keys at every save. (A random value would save only when
+            # it beats the top 2, and build_model seeds torch: the same few saves for every IO.)
+            self.log("loss", 1.0 / (1 + self.global_step))
             return loss
 
         def configure_optimizers(self) -> Any:
@@ -109,7 +117,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     Copier.hold = timed_hold
     inner: list[float] = []
-    removal: list[float] = []
+    removal: list[float] = []  # per checkpoint: removing the file it pushed out of the top k
     raw = RawCopy()
     last: list[Any] = [None]
     save = timed(io.save_checkpoint, inner)
@@ -119,7 +127,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         return save(checkpoint, *a, **k)
 
     io.save_checkpoint = save_and_keep
-    io.remove_checkpoint = timed(io.remove_checkpoint, removal)
+    remove = io.remove_checkpoint
+
+    def timed_remove(path: Any) -> None:  # ModelCheckpoint removes right after the save
+        t0 = time.perf_counter()
+        remove(path)
+        removal[-1] += time.perf_counter() - t0
+
+    io.remove_checkpoint = timed_remove
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=args.every,
                                             monitor="loss", save_top_k=2)
@@ -131,6 +146,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         def save_then_raw(*a: Any, **k: Any) -> Any:
             out = timed_save(*a, **k)
             waits.append(0.0)
+            removal.append(0.0)
             raw.measure(last[0])  # the same tensors, right after, outside the stall
             return out
 
@@ -140,10 +156,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit(Lit(), data)
         fit_s = time.perf_counter() - t0
         files = sorted(os.listdir(d))
-    # ModelCheckpoint removes the previous file right after each save but the first
-    stall = [s + r + w for s, r, w in zip(stall, [0.0] + removal, waits)]
-    return {"io": args.io, "stall": stall, "wait": waits, "inner": inner, "removal": removal, "fit_s": fit_s,
-            "raw": raw.times, "files": files}
+    if len(stall) != args.steps // args.every or len(inner) != len(stall):
+        raise RuntimeError(f"{args.io}: {len(stall)} Trainer.save_checkpoint and {len(inner)} "
+                           f"CheckpointIO.save_checkpoint calls, {args.steps // args.every} asked for")
+    dump = [s - i for s, i in zip(stall, inner)]
+    stall = [s + r + w for s, r, w in zip(stall, removal, waits)]
+    return {"io": args.io, "stall": stall, "wait": waits, "inner": inner, "dump": dump, "removal": removal,
+            "fit_s": fit_s, "raw": raw.times, "files": files}
 
 
 def run_one(args: argparse.Namespace, io: str) -> dict[str, Any]:
@@ -164,7 +183,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
              f"# model {args.mib} MiB float32 + AdamW (checkpoint ~{3 * args.mib} MiB), {args.steps} steps "
              f"of {args.ms:g} ms, a checkpoint every {args.every} steps (monitor, save_top_k=2)",
              "io        checkpoints  stall p50 ms  stall p99 ms  wait p50 ms  raw p50 ms  stall/raw  "
-             "io p50 ms  io+wait/raw  first stall ms   fit s  files"]
+             "io p50 ms  io p99 ms  io+wait/raw  dump p50 ms  rm p50 ms  first stall ms   fit s  files"]
     for r in rows:
         rest, inner, raw = r["stall"][1:], r["inner"][1:], r["raw"][1:]
         r["p50"], r["raw_p50"] = statistics.median(rest), statistics.median(raw)
@@ -172,9 +191,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         io_ratio = statistics.median((i + w) / c for i, w, c in zip(inner, r["wait"][1:], raw))
         lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
                      f"{ms(statistics.median(r['wait'][1:])):>12} {ms(statistics.median(raw)):>11} {ratio:10.2f} "
-                     f"{ms(statistics.median(inner)):>10} {io_ratio:12.2f} {ms(r['stall'][0]):>15} "
-                     f"{r['fit_s']:7.1f}  "
-                     f"{' '.join(r['files'])}")
+                     f"{ms(statistics.median(inner)):>10} {ms(p99(inner)):>10} {io_ratio:12.2f} "
+                     f"{ms(statistics.median(r['dump'][1:])):>12} {ms(statistics.median(r['removal'][1:])):>10} "
+                     f"{ms(r['stall'][0]):>15} {r['fit_s']:7.1f}  {' '.join(r['files'])}")
     by = {r["io"]: r["p50"] for r in rows}
     lines.append(f"stall p50 ratio: default/snapsvc {by['default'] / by['snapsvc']:.1f}x, "
                  f"async/snapsvc {by['async'] / by['snapsvc']:.1f}x, snapsvc/overlap "
@@ -198,8 +217,9 @@ def _pl() -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=64, help="model size in MiB (multiple of 16)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
+    # an interval (2 s or more) longer than a write, as in training; 10 saves: a median and a p99
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--every", type=int, default=20, help="steps between checkpoints")
     p.add_argument("--ms", type=float, default=30.0, help="simulated GPU compute per step")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="also write the table here")
