@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -204,3 +205,48 @@ def test_removing_a_checkpoint_still_being_written_does_not_wait_for_it(tmp_path
     assert sorted(os.listdir(tmp_path)) == sorted(
         os.path.basename(f) for f in snapsvc.checkpoint_files(str(again)))
     assert snapsvc.verify(again).ok
+
+
+@pytest.mark.timeout(120)
+def test_removing_a_written_checkpoint_does_not_wait_for_the_unlink(tmp_path, monkeypatch, no_leaks):
+    """Unlinking a large file written durably can take as long as copying it (a file system
+    that discards the freed blocks): remove_checkpoint returns before the files are gone, the
+    path exists for no one from then on, and a save of it, a load and teardown finish the
+    removal first; a removal that fails is raised there, once."""
+    import snapsvc.integrations.lightning as plugin
+    unlinking, go = threading.Event(), threading.Event()
+    remove = os.remove
+
+    def held_remove(name):
+        if os.path.dirname(name) == str(tmp_path):
+            unlinking.set()
+            go.wait(10)   # released below; with an unlink on the caller's thread the asserts fail
+        if os.path.basename(name).startswith("bad"):
+            raise PermissionError(errno.EACCES, "denied", name)
+        remove(name)
+
+    monkeypatch.setattr(plugin.os, "remove", held_remove)
+    io = SnapsvcCheckpointIO()
+    done, bad = tmp_path / "done.ckpt", tmp_path / "bad.ckpt"
+    try:
+        for path in (done, bad):
+            io.save_checkpoint(lightning_like(), path)
+            io.writer.wait_path(path, timeout=60)
+        io.remove_checkpoint(done)
+        assert unlinking.wait(10) and not go.is_set()   # returned while the unlink is held
+        assert io.removing(done) and not io.pending(done)
+        io.remove_checkpoint(done)   # again, as Lightning may: nothing more to do
+        go.set()
+        io.save_checkpoint(lightning_like(), done)   # the removal first, then this save stands
+        assert not io.removing(done)
+        io.remove_checkpoint(bad)
+        with pytest.raises(PermissionError):
+            io.load_checkpoint(bad)   # the failed removal, raised where the path is used
+        assert not io.removing(bad)
+    finally:
+        go.set()
+        io.teardown()
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(f) for f in
+                                                  snapsvc.checkpoint_files(str(done)) +
+                                                  snapsvc.checkpoint_files(str(bad)))
+    assert snapsvc.verify(done).ok

@@ -167,10 +167,9 @@ class SnapsvcCheckpointIO:
         self._options = writer_options
         self._writer: SnapshotWriter | None = None
         self._handles: list[WriteHandle] = []
-        # path -> its latest write, still in the sidecar when Lightning removed the path:
-        # the files go once it is written (see remove_checkpoint)
-        self._doomed: dict[str, WriteHandle] = {}
-        self._lock = threading.Lock()   # _doomed: the reader thread's callbacks change it too
+        # path -> its removal, until its files are gone (see remove_checkpoint)
+        self._doomed: dict[str, _Removal] = {}
+        self._lock = threading.Lock()   # _doomed: the removals' threads change it too
         self._trainer: Callable[[], Any] | None = None  # weakref to the fitting trainer (overlap)
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step hook)
 
@@ -209,39 +208,52 @@ class SnapsvcCheckpointIO:
         return _read(path, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove every file of the checkpoint at ``path``.
+        """Remove every file of the checkpoint at ``path``, on a thread of its own.
 
-        A write to ``path`` still in the sidecar is not waited for: its files
-        are removed once it is written (``ModelCheckpoint`` drops a top-k file
-        right after the next save, often while it is still being written), and
-        until then ``path`` exists for nobody (:meth:`pending` is False; a save
-        or load of it, and ``teardown``, first finish the removal). A symlink is
-        removed, not what it points at (as Lightning's own IO does)."""
+        Neither a write to ``path`` still in the sidecar nor the removal itself
+        is waited for: ``ModelCheckpoint`` drops a top-k file right after the
+        next save, often while it is still being written, and unlinking a large
+        file that was written durably can take as long as copying it (a file
+        system that discards the freed blocks). The files go once written; from
+        now on ``path`` exists for nobody (:meth:`pending` is False; a save or
+        load of it, and ``teardown``, first finish the removal, and raise its
+        error). A symlink is removed, not what it points at (as Lightning's own
+        IO does)."""
         path = _local(path)
         writes = [h for h in self._handles if h.path == path and not h.done()]
-        if not writes:
-            _remove_files(path)
-            return
-        handle = writes[-1]
+        removal = _Removal(path, writes[-1] if writes else None)
         with self._lock:
-            self._doomed[path] = handle
-        handle.add_done_callback(lambda h: self._bury(path, h))
-
-    def _bury(self, path: str, handle: WriteHandle | None = None) -> None:
-        """The deferred removal of ``path``, once (``handle``: only if still the one due)."""
-        with self._lock:
-            due = self._doomed.get(path)
-            if due is None or (handle is not None and due is not handle):
+            if path in self._doomed:  # removed already, not saved since (a save settles it first)
                 return
-            del self._doomed[path]
-        _remove_files(path)
+            self._doomed[path] = removal
+        threading.Thread(target=self._bury, args=(removal, False), name="snapsvc-remove",
+                         daemon=True).start()  # teardown finishes it if the process ends first
+
+    def _bury(self, removal: _Removal, raise_error: bool = True) -> None:
+        """Run ``removal`` (or wait for the thread running it); forget it once its files are gone.
+        A failed one stays due, so the next save or load of its path and ``teardown`` raise it."""
+        try:
+            removal.run(self.timeout)
+        except Exception as e:
+            if not raise_error:
+                log.warning("snapsvc: removing %s failed (raised at its next save or load, or at "
+                            "teardown): %s", removal.path, e)
+                return
+            if removal.finished:  # raised once; a write still pending keeps it due
+                self._forget(removal)
+            raise
+        self._forget(removal)
+
+    def _forget(self, removal: _Removal) -> None:
+        with self._lock:
+            if self._doomed.get(removal.path) is removal:
+                del self._doomed[removal.path]
 
     def _settle(self, path: str) -> None:
-        """Finish a deferred removal of ``path`` now: wait for its write, then remove."""
-        handle = self._doomed.get(path)
-        if handle is not None:
-            handle.exception(timeout=self.timeout)   # its failure is raised by _raise_failed
-            self._bury(path, handle)
+        """Finish a removal of ``path`` now: wait for its write, then remove."""
+        removal = self._doomed.get(path)
+        if removal is not None:
+            self._bury(removal)
 
     def teardown(self) -> None:
         """Drain pending writes and stop the sidecar; raise the first failed write."""
@@ -249,8 +261,8 @@ class SnapsvcCheckpointIO:
         try:
             if writer is not None:
                 writer.finish(timeout=self.timeout)  # overlap copies finish first
-            for path in list(self._doomed):  # written now; their callbacks may not have run
-                self._bury(path)
+            for removal in list(self._doomed.values()):  # written now: removed here or by their thread
+                self._bury(removal)
         finally:
             for _, hook in self._guards:
                 hook.remove()
@@ -305,6 +317,44 @@ def _remove_files(path: str) -> None:
             os.remove(name)
         except FileNotFoundError:
             pass
+
+
+class _Removal:
+    """Removing the files of the checkpoint at ``path`` once ``write`` (its write still
+    in the sidecar, or None) is done, by whichever thread comes first; the others wait."""
+
+    def __init__(self, path: str, write: WriteHandle | None) -> None:
+        self.path = path
+        self.write = write
+        self._claim = threading.Lock()
+        self._claimed = False
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the files were removed, or their removal failed."""
+        return self._finished.is_set()
+
+    def run(self, timeout: float) -> None:
+        """Remove the files, or wait up to ``timeout`` s for the thread removing them;
+        raise the removal's error (a failed write is raised by the plugin, not here)."""
+        if self.write is not None:
+            self.write.exception(timeout=timeout)
+        with self._claim:
+            mine, self._claimed = not self._claimed, True
+        if mine:
+            try:
+                _remove_files(self.path)
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._finished.set()
+        elif not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.path}: its removal did not finish within {timeout} s "
+                               "(SnapsvcCheckpointIO(timeout=...))")
+        if self._error is not None:
+            raise self._error
 
 
 def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
