@@ -22,7 +22,7 @@ from ..files.checkpoint import layout_hash, persistent_buffers
 from ..files.durable import check_final_name
 from ..files.meta import meta_path, optim_path
 from ..format import datafile, fdl, kinds, protocol
-from ..format.layout import Layout
+from ..format.layout import BUFFER, OPTIM, PARAM, Layout
 from ..state.resume import optimizer_state
 from ..state.tree import Flat, WalkMemo, flatten, model_extra_states
 from .pools import Plan, Pool, SlotPools, walk
@@ -65,10 +65,12 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
     h = layout_hash(params, buffers) if structural_hash is None else structural_hash
     # the hash too: a model's tensors .fdl cannot hold (a bool buffer) count in
     # its hash, so two models may share every entry and differ in the header
-    key = (len(params), len(buffers), len(optim), pin, tuple(k for k, _, _ in state),
-           tuple((n, t.shape, t.dtype) for n, t in pairs), h)
-    return Request([t for _, t in pairs], key,
-                   lambda: Layout.of(params, buffers, h, optim, state), pin)
+    kinds = [*(PARAM for _ in params), *(BUFFER for _ in buffers), *(k for k, _, _ in state),
+             *(OPTIM for _ in optim)]
+    names = tuple(n for n, _ in pairs)
+    geometry = tuple((k, t.shape, t.dtype) for k, (_, t) in zip(kinds, pairs))
+    key = (pin, names, geometry, h)
+    return Request([t for _, t in pairs], key, lambda: Layout.placed(names, geometry, h), pin)
 
 
 def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,

@@ -53,11 +53,6 @@ def arena_bytes(layout: Layout) -> int:
     return layout.nbytes + -layout.nbytes % 4096 + ROOM
 
 
-def _placement(layout: Layout) -> list[tuple]:
-    """Where a layout puts each tensor, and how: all of it but the names."""
-    return [(s.offset, s.shape, s.dtype, s.kind) for s in layout.specs]
-
-
 class Slot:
     """One shared-memory arena and the layout it holds now. ``seq``: None
     free, RESERVED staging, else the write in flight; ``gen``: the sidecar
@@ -89,7 +84,7 @@ class Slot:
         # what the buffer names add to a metadata file (client._pack_body's room)
         self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
                                 if s.kind == BUFFER)
-        if old is not None and _placement(old) == _placement(layout):
+        if old is not None and old.placed_like(layout):
             return
         self.views = staging.views(self.flat, layout)
         self.outs = staging.group_views(self.flat, layout)  # one flat tensor per group

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from .framing import DATA, FDL, Framing, Span
@@ -96,6 +96,10 @@ class Layout:
     specs: tuple[TensorSpec, ...]
     nbytes: int
     structural_hash: str
+    # the placement :meth:`placed` shares between layouts of one geometry (None
+    # for one from a message): comparing it is how a new layout of other names
+    # is seen to leave every tensor where it was
+    places: tuple | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, params: Iterable[tuple[str, Any]], buffers: Iterable[tuple[str, Any]],
@@ -103,16 +107,32 @@ class Layout:
            state: Iterable[tuple[str, str, Any]] = ()) -> "Layout":
         """Specs in file order: ``params``, ``buffers``, then ``state`` as
         (kind, name, tensor) triples, then ``optim`` (a file of its own).
-        Offsets: group by group (see :attr:`groups`), packed inside each.
         The caller has checked every tensor already, where a refusal can name
         what to change (:func:`snapsvc.format.datafile.check_entries`, or a
         submit's plan, naming key paths): this module knows no torch."""
         triples = [*((PARAM, n, t) for n, t in params), *((BUFFER, n, t) for n, t in buffers),
                    *state, *((OPTIM, n, t) for n, t in optim)]
-        places, nbytes = _place(tuple((kind, t.shape, dtype_name(t.dtype))
-                                      for kind, _, t in triples))
-        specs = tuple(TensorSpec(name, *place) for (_, name, _), place in zip(triples, places))
-        return cls(specs, nbytes, structural_hash)
+        return cls.placed([n for _, n, _ in triples],
+                          tuple((kind, t.shape, t.dtype) for kind, _, t in triples),
+                          structural_hash)
+
+    @classmethod
+    def placed(cls, names: Sequence[str], geometry: tuple[tuple[str, Any, Any], ...],
+               structural_hash: str) -> "Layout":
+        """The layout of entries ``names`` (file order) whose (kind, shape, dtype, a
+        torch dtype or its name) are ``geometry``. Offsets: group by group (see
+        :attr:`groups`), packed inside each; computed once per geometry, so a
+        checkpoint whose names change at every save (Lightning's ``best_k_models``)
+        is placed once."""
+        places, nbytes = _place(geometry)
+        specs = tuple(TensorSpec(name, *place) for name, place in zip(names, places))
+        return cls(specs, nbytes, structural_hash, places)
+
+    def placed_like(self, other: "Layout") -> bool:
+        """Whether ``other`` puts every tensor where this one does, names aside."""
+        if self.places is not None and self.places is other.places:
+            return True   # the usual case: one geometry, placed once
+        return [s[1:] for s in self.specs] == [s[1:] for s in other.specs]
 
     @functools.cached_property
     def groups(self) -> tuple[Group, ...]:
@@ -155,9 +175,9 @@ class Layout:
 @functools.lru_cache(maxsize=16)
 def _place(kinds: tuple[tuple[str, tuple[int, ...], str], ...]
            ) -> tuple[tuple[tuple, ...], int]:
-    """Each entry's (shape, dtype, offset, nbytes, kind), given (kind, shape, dtype) in
-    file order, and the layout's size. Cached: a checkpoint whose names change at every
-    save (Lightning's ``best_k_models``) keeps its shapes, and is placed once."""
+    """Each entry's (shape, dtype name, offset, nbytes, kind), given (kind, shape, dtype)
+    in file order, and the layout's size."""
+    kinds = tuple((kind, shape, d if type(d) is str else dtype_name(d)) for kind, shape, d in kinds)
     sizes = [math.prod(shape) * _ITEMSIZE[dtype] for _, shape, dtype in kinds]
     groups: dict[tuple[bool, str], list[int]] = {}
     for i, (kind, _, dtype) in enumerate(kinds):
