@@ -109,7 +109,10 @@ def test_policy_block_waits_for_a_slot(tmp_path, net):
         first = w.submit(net, "b0.fdl")
         second = w.submit(net, "b1.fdl")  # must wait until the only slot is free
         assert first.result(timeout=0.5).path.endswith("b0.fdl")  # done already, not in 1 s
-        assert not second.result(timeout=60).skipped
+        r1, r2 = first.result(), second.result(timeout=60)
+        assert not r2.skipped
+    # the report tells the wait for a slot (backpressure) apart from the copy
+    assert r2.slot_wait_s > r1.slot_wait_s >= 0 and r2.slot_wait_s <= r2.stage_s
     assert (tmp_path / "b1.fdl").exists()
 
 

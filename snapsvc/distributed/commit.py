@@ -276,7 +276,8 @@ class Coordinator:
             self.unresolved.pop(item.handle.seq, None)
         _settle(item.handle, DistributedWriteReport(
             path=item.handle.path, bytes=report.bytes, entries=report.entries,
-            stage_s=item.stage_s, queue_s=report.queue_s, encode_s=report.encode_s,
+            stage_s=item.stage_s, slot_wait_s=report.slot_wait_s, queue_s=report.queue_s,
+            encode_s=report.encode_s,
             write_s=report.write_s, fsync_s=report.fsync_s,
             total_s=time.monotonic() - item.started, seq=item.handle.seq, step=step,
             file=item.handle.file, manifest=os.path.join(item.handle.path, MANIFEST_NAME),

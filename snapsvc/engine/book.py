@@ -33,6 +33,7 @@ class Pending:
     started: float
     stage_s: float
     gen: int
+    slot_wait_s: float = 0.0
 
 
 class Book:
@@ -77,13 +78,14 @@ class Book:
                     raise TimeoutError(f"{what} after {timeout} s")
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
 
-    def add(self, slot: Slot, path: str, started: float, stage_s: float, gen: int) -> int:
+    def add(self, slot: Slot, path: str, started: float, stage_s: float, gen: int,
+            slot_wait_s: float = 0.0) -> int:
         """Book a staged write (cond held); its seq."""
         self.seq += 1
         self.counts["submitted"] += 1  # refused submits never get this far
         slot.seq = self.seq
         handle = WriteHandle(self.seq, path, self.on_reader, remote=self.remote)
-        self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen)
+        self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen, slot_wait_s)
         return self.seq
 
     def durable(self, path: str, gen: int) -> WriteHandle:
@@ -132,7 +134,8 @@ class Book:
         if ok:
             p.handle._future.set_result(WriteReport(
                 path=msg["path"], bytes=msg.get("bytes", 0), entries=msg.get("entries", 0),
-                skipped=skipped, stage_s=p.stage_s, queue_s=msg["queue_s"],
+                skipped=skipped, stage_s=p.stage_s, slot_wait_s=p.slot_wait_s,
+                queue_s=msg["queue_s"],
                 encode_s=msg.get("encode_s", 0.0), write_s=msg.get("write_s", 0.0),
                 fsync_s=msg.get("fsync_s", 0.0), total_s=time.monotonic() - p.started,
                 seq=msg["seq"]))

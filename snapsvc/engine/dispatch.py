@@ -49,7 +49,9 @@ class Dispatcher:
         """Take a slot, copy into it, book the write and send it (or have the copier send it)."""
         book = self.book
         gen = self.broker.register(pool, timeout)
+        asked = time.monotonic()
         slot = self.broker.acquire(pool, timeout)
+        slot_wait_s = time.monotonic() - asked
         if slot is None:
             return book.skipped(path, started)
         try:
@@ -71,7 +73,7 @@ class Dispatcher:
                 book.cond.notify_all()
                 raise book.broken or BrokenWriterError(
                     "the writer sidecar stopped while this snapshot was copied; submit again")
-            seq = book.add(slot, path, started, stage_s, gen)
+            seq = book.add(slot, path, started, stage_s, gen, slot_wait_s)
             handle = book.pending[seq].handle
         msg = {"path": path, "body": body, "umask": current_umask()}  # the files' mode of now
         if rest is None:

@@ -24,6 +24,8 @@ class WriteReport:
     entries: int = 0
     skipped: bool = False   # policy "skip" found no slot, or "latest" replaced it
     stage_s: float = 0.0    # submit(): the training loop's stall
+    slot_wait_s: float = 0.0  # of stage_s, waiting for a free slot (policy "block"): the
+                              # sidecar was still writing earlier snapshots (backpressure)
     queue_s: float = 0.0    # message sent -> writer starts
     encode_s: float = 0.0   # encoding and compression
     write_s: float = 0.0    # in the OS's write calls
