@@ -114,13 +114,18 @@ def test_rotation_matches_the_stock_trainer(tmp_path, no_leaks, best):
 @pytest.mark.timeout(120)
 def test_overlap_mode_writes_the_same_checkpoints(tmp_path, no_leaks):
     """overlap=True (the copy runs on behind training, the next optimizer step waits for it)
-    writes checkpoints equal to blocking mode's, tensor for tensor."""
+    writes checkpoints equal to blocking mode's, tensor for tensor. On this CPU run the
+    sidecar runs at training's priority (a niced one falls behind a training loop that
+    keeps every core busy), unless snapsvc_options set ``nice``."""
     states = {}
     for mode in (False, True):
         out = str(tmp_path / str(mode))
-        t = make_trainer("snapsvc", out, max_steps=6, snapsvc_options={"overlap": mode})
+        t = make_trainer("snapsvc", out, max_steps=6, snapsvc_options={
+            "overlap": mode, **({"nice": 5} if mode else {})})
         t.train()
         assert t.snapsvc_writer.overlap is mode
+        assert os.getpriority(os.PRIO_PROCESS, t.snapsvc_writer.pid) == \
+            min(19, os.getpriority(os.PRIO_PROCESS, 0) + (5 if mode else 0))
         t.close()
         states[mode] = [snapsvc.load(os.path.join(out, c, STATE_FILE)) for c in _checkpoints(out)]
     assert len(states[True]) == 2
