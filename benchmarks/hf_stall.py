@@ -12,8 +12,9 @@ is the wait at the end of training for the last commits. The first snapsvc
 save also starts the sidecar and allocates the slots, so it is reported
 apart and left out of the median. ``raw`` is ``torch._foreach_copy_`` of
 exactly the tensors of that checkpoint (model, optimizer, scheduler, RNG)
-into shared memory allocated once, timed right after each save in the same
-process (benchmarks/rawcopy.py). Each trainer's files are flushed (``os.sync``)
+into shared memory allocated once, timed right before each save in the same
+process (benchmarks/rawcopy.py): right after it the sidecar (or the copier
+thread) works on that checkpoint and would slow the raw copy. Each trainer's files are flushed (``os.sync``)
 before the next trainer runs: the stock Trainer does not fsync, and its
 writeback would slow the next run's sidecar.
 
@@ -71,12 +72,14 @@ def timed(base: type) -> type:
                 committer.add = kept_add
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            # The raw copy right before the save, not after it: after it, the sidecar
+            # (or overlap mode's copier) works on this very checkpoint and slows it.
+            self.raw.measure({"model": self.model, "optimizer": self.optimizer,
+                              "scheduler": self.lr_scheduler, "rng": torch.get_rng_state()})
             t0 = time.perf_counter()
             self.saved_at.append(t0)
             super()._save_checkpoint(model, trial)
             self.stalls.append(time.perf_counter() - t0)
-            self.raw.measure({"model": self.model, "optimizer": self.optimizer,
-                              "scheduler": self.lr_scheduler, "rng": torch.get_rng_state()})
             writer = getattr(self, "snapsvc_writer", None)
             if writer is not None and "wait_staged" not in vars(writer):
                 # overlap mode: the next optimizer step waits here for the copy; it
