@@ -193,6 +193,29 @@ def test_sidecar_killed_during_a_save_leaves_nothing_resume_picks(tmp_path, no_l
     again.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_save_that_waits_for_the_sidecar_says_why(tmp_path, no_leaks, caplog):
+    """One slot and a write held 3 s: the second save waits for the first write, and the
+    run warns (once) that saves wait for the disk, naming the knobs; the checkpoints are
+    those the stock Trainer leaves."""
+    flag = str(tmp_path / "hold")
+    open(flag, "w").close()
+    seen = {}
+    for kind in KINDS:
+        out = str(tmp_path / kind)
+        t = make_trainer(kind, out, max_steps=2, save_steps=1, snapsvc_options=None
+                         if kind == "stock" else {"slots": 1, "fault_hook": functools.partial(
+                             hf_script.sleep_while, flag, 3.0)})
+        with caplog.at_level("WARNING", logger="snapsvc"):
+            t.train()
+        _close(t)
+        seen[kind] = _checkpoints(out)
+    assert seen["snapsvc"] == seen["stock"] == ["checkpoint-1", "checkpoint-2"]
+    waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(waited) == 1 and "checkpoint-2" in waited[0], waited
+    assert "free slot" in waited[0] and "'slots'" in waited[0] and "save_steps" in waited[0]
+
+
 @pytest.mark.timeout(300)
 def test_distributed_world_size_2_on_gloo(tmp_path):
     """torchrun, 2 CPU processes: each rank writes its file through its own sidecar, the

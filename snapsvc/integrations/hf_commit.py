@@ -57,6 +57,7 @@ class Committer:
         self._failed: list[SnapsvcError] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._warned_wait = False
 
     def start(self) -> bool:
         """Start the thread if it is not running; True if it was started now."""
@@ -114,6 +115,7 @@ class Committer:
         while (item := self._queue.get()) is not None:
             try:
                 _commit(item)
+                self._note_wait(item)
             except BaseException as e:  # the thread must go on; the trainer raises it
                 if item.staging:
                     shutil.rmtree(item.staging, ignore_errors=True)
@@ -126,6 +128,24 @@ class Committer:
                     if self._pending.get(item.final) is item:
                         del self._pending[item.final]
                     self._cond.notify_all()
+
+
+    def _note_wait(self, item: Commit) -> None:
+        """Warn once when a save waited for a free slot longer than it copied: the
+        sidecar was still writing earlier checkpoints, so the save waited for the disk."""
+        r = item.handle.result()
+        copy = r.stage_s - r.slot_wait_s
+        if self._warned_wait or r.slot_wait_s <= copy:
+            return
+        self._warned_wait = True
+        log.warning(
+            "snapsvc: saving %s waited %.2f s for a free slot (its copy took %.2f s): every "
+            "slot held an earlier checkpoint the sidecar was still writing (this one was "
+            "queued %.2f s, encoded and written in %.2f s, fsynced in %.2f s). Save less "
+            "often (save_steps), give the sidecar more CPU (snapsvc_options={'nice': 0}, the "
+            "default on CPU runs) or more slots (snapsvc_options={'slots': N}; each holds a "
+            "checkpoint in shared memory)", os.path.basename(item.final), r.slot_wait_s, copy,
+            r.queue_s, r.encode_s + r.write_s, r.fsync_s)
 
 
 def _commit(item: Commit) -> None:

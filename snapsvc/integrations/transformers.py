@@ -44,6 +44,13 @@ pending commits (``_finalize_training`` drains first).
 the parameters and optimizer state are copied; the trainer guards its
 optimizer so that the next step waits for the copy.
 
+Backpressure. A save needs a free slot; while every slot holds a checkpoint
+the sidecar is still writing, it waits (policy "block": as with the stock
+Trainer, no checkpoint is dropped). The first save that waits longer than it
+copies logs a warning with the write's figures and the knobs (``save_steps``,
+``nice``, ``slots``). On a CPU run the sidecar runs at training's priority
+(see :meth:`SnapsvcTrainer._snapsvc_writer_options`).
+
 Callbacks. ``on_save`` runs right after a save returns, and callbacks read
 ``checkpoint-<N>`` there (transformers' ``WandbCallback``, ``MLflowCallback``,
 ``ClearMLCallback``, ``NeptuneCallback`` and ``FlyteCallback`` upload it). When
