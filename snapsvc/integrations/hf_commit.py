@@ -129,7 +129,6 @@ class Committer:
                         del self._pending[item.final]
                     self._cond.notify_all()
 
-
     def _note_wait(self, item: Commit) -> None:
         """Warn once when a save waited for a free slot longer than it copied: the
         sidecar was still writing earlier checkpoints, so the save waited for the disk."""

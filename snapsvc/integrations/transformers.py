@@ -167,8 +167,9 @@ class SnapsvcTrainer(Trainer):
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
     for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
     ``fault_hook``, ...); on a CPU run ``nice`` defaults to 0, the training's
-    priority (see :meth:`_snapsvc_writer_options`). The writer (:attr:`snapsvc_writer`) starts at the
-    first save and lives until :meth:`close` or interpreter exit; with
+    priority (see :meth:`_snapsvc_writer_options`). The writer
+    (:attr:`snapsvc_writer`) starts at the first save and lives until
+    :meth:`close` or interpreter exit; with
     several processes it is a :class:`DistributedSnapshotWriter` (its
     ``writer`` is this rank's SnapshotWriter), given the same options.
     """
