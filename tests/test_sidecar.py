@@ -169,6 +169,18 @@ def test_sidecar_is_a_fresh_interpreter_at_lower_priority(tmp_path, net):
         assert os.getpriority(os.PRIO_PROCESS, w.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_default_nice_yields_the_cpu_only_beside_a_cuda_job(tmp_path, monkeypatch, cuda):
+    """nice=None: a CPU run's sidecar shares the CPU at training's priority (niced, it
+    falls behind a loop that keeps every core busy); beside a process that has
+    initialized CUDA, whose CPU is spare, it yields at nice +10."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.start()
+        assert os.getpriority(os.PRIO_PROCESS, w.pid) == \
+            min(19, os.getpriority(os.PRIO_PROCESS, 0) + (10 if cuda else 0))
+
+
 def test_pid_none_before_start_and_autostart(tmp_path, net):
     w = snapsvc.SnapshotWriter(tmp_path)
     assert w.pid is None and w.is_idle()

@@ -45,7 +45,7 @@ from ..errors import BrokenWriterError
 from ..format import protocol
 from .worker import ClaimLock
 
-__all__ = ["Sidecar", "describe"]
+__all__ = ["Sidecar", "describe", "nice_of"]
 
 log = logging.getLogger("snapsvc")
 
@@ -57,6 +57,16 @@ START_TIMEOUT = 120.0  # a bare interpreter answers in about a second; generous 
 _BOOT = ("import sys, importlib.util as u; sys.path[:] = {path!r}; "
          "s = u.find_spec('snapsvc'); sys.modules['snapsvc'] = u.module_from_spec(s); "
          "from snapsvc.engine.worker import boot; boot()")
+
+
+def nice_of(nice: int | None) -> int:
+    """The sidecar's nice increment: ``nice``, or for None, 10 beside a training
+    process that has initialized CUDA (its CPU is spare) and 0 beside one that
+    trains on the CPU (a niced writer would starve, and saves wait for it)."""
+    if nice is not None:
+        return nice
+    torch = sys.modules.get("torch")   # not imported here: the sidecar side needs no torch
+    return 10 if torch is not None and torch.cuda.is_initialized() else 0
 
 
 class Process:
@@ -109,7 +119,8 @@ class Sidecar:
 
     def start(self, timeout: float = START_TIMEOUT) -> int:
         """Start an interpreter, wait for its READY (or its death), start the reader; the new gen."""
-        options = pickle.dumps(self._options)  # an unpicklable hook fails here, not there
+        options = pickle.dumps({**self._options, "nice": nice_of(self._options.get("nice"))})
+        # (an unpicklable hook fails here, not there)
         req_sock, child_req = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         rep_r, child_rep = os.pipe()
         sentinel, child_sentinel = os.pipe()

@@ -69,7 +69,11 @@ class SnapshotWriter:
     ``p.data`` or a tensor sharing its memory is missed; ``"check"``
     verifies every skipped tensor and logs any such miss (see
     :mod:`snapsvc.engine.copier`). ``stats()["staged_bytes"]``
-    counts what was copied. ``nice``: added to the sidecar's nice value. ``fault_hook``: for
+    counts what was copied. ``nice``: added to the sidecar's nice value; None (the default) is 10
+    where this process has initialized CUDA when the sidecar starts (training
+    then leaves CPU to spare, and the writer yields it), else 0: a CPU run keeps
+    every core busy, and a niced sidecar falls behind the saves until they wait
+    for a free slot (``WriteReport.slot_wait_s``). ``fault_hook``: for
     tests, a picklable ``hook(stage, path)`` run inside the sidecar (see
     :func:`snapsvc.files.durable.set_fault_hook`); it must be importable
     from a module, as the sidecar never imports ``__main__``.
@@ -96,7 +100,7 @@ class SnapshotWriter:
                  policy: str = "block", keep_last: int | None = None,
                  compress_level: int | None = None, start_method: str | None = None,
                  restart: bool = True, drain_timeout: float = 60.0, sigterm: bool = True,
-                 overlap: bool = False, incremental: bool | str = False, nice: int = 10,
+                 overlap: bool = False, incremental: bool | str = False, nice: int | None = None,
                  max_slot_bytes: int | None = None,
                  fault_hook: Callable[[str, str], None] | None = None,
                  remote: str | os.PathLike[str] | None = None,
@@ -110,8 +114,8 @@ class SnapshotWriter:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if compress_level is not None and not 0 <= compress_level <= 3:
             raise ValueError(f"compress_level must be 0..3 (isal's levels), got {compress_level}")
-        if not 0 <= nice <= 19:
-            raise ValueError(f"nice must be 0..19, got {nice}")
+        if nice is not None and not 0 <= nice <= 19:
+            raise ValueError(f"nice must be 0..19 or None, got {nice}")
         if incremental not in (False, True, "check"):
             raise ValueError(f"incremental must be False, True or 'check', got {incremental!r}")
         if max_slot_bytes is not None and max_slot_bytes < 1:

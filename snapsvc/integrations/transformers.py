@@ -49,7 +49,7 @@ the sidecar is still writing, it waits (policy "block": as with the stock
 Trainer, no checkpoint is dropped). The first save that waits longer than it
 copies logs a warning with the write's figures and the knobs (``save_steps``,
 ``nice``, ``slots``). On a CPU run the sidecar runs at training's priority
-(see :meth:`SnapsvcTrainer._snapsvc_writer_options`).
+(the writer's default ``nice``: see :class:`~snapsvc.SnapshotWriter`).
 
 Callbacks. ``on_save`` runs right after a save returns, and callbacks read
 ``checkpoint-<N>`` there (transformers' ``WandbCallback``, ``MLflowCallback``,
@@ -166,8 +166,8 @@ class SnapsvcTrainer(Trainer):
 
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
     for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
-    ``fault_hook``, ...); on a CPU run ``nice`` defaults to 0, the training's
-    priority (see :meth:`_snapsvc_writer_options`). The writer
+    ``fault_hook``, ...); on a CPU run the sidecar runs at training's priority
+    (the writer's default ``nice``). The writer
     (:attr:`snapsvc_writer`) starts at the first save and lives until
     :meth:`close` or interpreter exit; with
     several processes it is a :class:`DistributedSnapshotWriter` (its
@@ -220,27 +220,9 @@ class SnapsvcTrainer(Trainer):
     def _snapsvc_distributed(self) -> bool:
         return self.args.world_size > 1 or self._snapsvc_fsdp2
 
-    def _snapsvc_writer_options(self) -> dict[str, Any]:
-        """``snapsvc_options``; on a CPU run the sidecar at training's priority unless they
-        set ``nice``.
-
-        Training on the CPU keeps every core busy, so a niced sidecar (the
-        writer's default, nice 10) gets about a tenth of one and writes several
-        times slower than when idle: the writes pile up, every slot fills, and a
-        later save waits (policy "block") for the sidecar to finish, which
-        it then does at full speed while training waits. At training's priority it
-        shares the CPU while it writes, and saves do not wait for it. On an
-        accelerator the training process leaves CPU to spare, and nice 10 costs
-        nothing.
-        """
-        options = dict(self.snapsvc_options)
-        if self.args.device.type == "cpu":
-            options.setdefault("nice", 0)
-        return options
-
     def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
         if self.snapsvc_writer is None and not self._snapsvc_distributed:
-            self.snapsvc_writer = SnapshotWriter(**self._snapsvc_writer_options()).start()
+            self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
         elif self.snapsvc_writer is None:
             # Every rank saves the same steps, so every rank is here. Leftovers of
             # a crashed run are removed before any rank writes.
@@ -248,8 +230,7 @@ class SnapsvcTrainer(Trainer):
             if self.args.should_save:
                 shutil.rmtree(root, ignore_errors=True)
             torch.distributed.barrier()
-            self.snapsvc_writer = DistributedSnapshotWriter(
-                root, **self._snapsvc_writer_options()).start()
+            self.snapsvc_writer = DistributedSnapshotWriter(root, **self.snapsvc_options).start()
         local = getattr(self.snapsvc_writer, "writer", self.snapsvc_writer)
         # overlap=True: the parameter copy runs on while training goes on; the
         # optimizer's next step waits for it. Accelerate wraps the optimizer, and
