@@ -68,3 +68,13 @@ def note_torch(record: str, stage: str, path: str) -> None:
     and whether the sidecar has imported torch: ``"start False"``."""
     with open(record, "w") as f:
         f.write(f"{stage} {'torch' in sys.modules}")
+
+
+def hold(flag: str, marker: str, stage: str, path: str) -> None:
+    """Hold the write of checkpoint files whose name contains ``marker``, once
+    opened, until a file named ``flag`` exists in their directory (60 s at most)."""
+    if stage == "open" and marker in os.path.basename(path) and not _is_meta(path):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(os.path.dirname(path), flag)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)

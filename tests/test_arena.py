@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 
 import pytest
 import torch
@@ -141,9 +142,10 @@ def test_names_that_change_while_a_write_is_queued_take_its_pools_idle_slot(tmp_
         stats = w.stats()
         assert (stats["slots"], stats["slot_bytes"]) == (before["slots"], before["slot_bytes"])
         # the same names again while both are queued: that pool of one slot, all
-        # busy, takes one more (no idle slot anywhere: a new one)
+        # busy, takes the held write's busy slot, not new memory, and "block" waits
         again = w.submit(renamed, "b2.fdl")
-        assert w.stats()["slots"] == 3, w.stats()
+        stats = w.stats()
+        assert (stats["slots"], stats["slot_bytes"]) == (before["slots"], before["slot_bytes"])
         for h in (held, queued, again):
             h.result(timeout=60)
         w.submit({"d": torch.full((4096,), 5.0)}, "d.fdl").result(timeout=60)
@@ -152,3 +154,54 @@ def test_names_that_change_while_a_write_is_queued_take_its_pools_idle_slot(tmp_
     assert_same(snapsvc.load(tmp_path / "b.fdl"), renamed)
     assert_same(snapsvc.load(tmp_path / "b2.fdl"), renamed)
     assert_same(snapsvc.load(tmp_path / "d.fdl"), {"d": torch.full((4096,), 5.0)})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["block", "skip", "latest"])
+def test_names_that_change_while_every_slot_is_busy_take_a_slot_by_the_policy(
+        tmp_path, policy, no_leaks):
+    """Saves whose names change at each while both slots are still queued or being
+    written (Lightning's save_top_k under backpressure): the third is a full pool's
+    submit, in the arenas that exist, as if its names had not changed: "block" waits
+    for one (up to its timeout), "skip" skips, "latest" takes back the newest queued.
+    Never new memory, which the sidecar would map only after the writes queued before
+    it. A layout larger than every arena still gets new memory."""
+    hold = functools.partial(hooks.hold, "GO", "held")
+    with snapsvc.SnapshotWriter(tmp_path, slots=2, policy=policy, fault_hook=hold) as w:
+        try:
+            w.submit({"x": torch.ones(4096)}, "warm.fdl").result(timeout=60)
+            flat = (w.stats()["slots"], w.stats()["slot_bytes"])
+            states = {n: {f"best_k/{n}.ckpt": torch.full((4096,), float(i)), "step": i}
+                      for i, n in enumerate(("held", "b", "c"))}
+            wanted = {n: _expected(s) for n, s in states.items()}
+            handles = {}
+            for n in ("held", "b"):
+                handles[n] = w.submit(states[n], f"{n}.fdl")   # "held" stays in the sidecar
+            if policy == "block":
+                with pytest.raises(TimeoutError, match="no free slot"):
+                    w.submit(states["c"], "c.fdl", timeout=0.3)
+            else:
+                handles["c"] = w.submit(states["c"], "c.fdl")
+                gone = "c" if policy == "skip" else "b"
+                assert handles[gone].done() and handles[gone].result().skipped
+            assert (w.stats()["slots"], w.stats()["slot_bytes"]) == flat, w.stats()
+            for s in states.values():   # the files hold the states of their submits
+                next(iter(s.values())).add_(100)
+            # the new arenas' SLOT message is read after the held write: let it go meanwhile
+            threading.Timer(0.3, (tmp_path / "GO").touch).start()
+            big = {"big": torch.full((1 << 18,), 7.0)}   # 1 MiB: past every arena's room
+            w.submit(big, "big.fdl", timeout=60).result(timeout=60)
+            assert w.stats()["slot_bytes"] > flat[1], w.stats()
+            if policy == "block":   # a slot is free now: taken, laid out for these names
+                wanted["c"] = _expected(states["c"])
+                handles["c"] = w.submit(states["c"], "c.fdl", timeout=60)
+            for h in handles.values():
+                h.result(timeout=60)
+        finally:  # a failed assert must not leave the write held until close's timeout
+            (tmp_path / "GO").touch()
+    written = {"block": ("held", "b", "c"), "skip": ("held", "b"), "latest": ("held", "c")}
+    for n in ("held", "b", "c"):
+        assert (tmp_path / f"{n}.fdl").exists() == (n in written[policy]), n
+        if n in written[policy]:
+            assert_same(snapsvc.load(tmp_path / f"{n}.fdl"), wanted[n], n)
+    assert_same(snapsvc.load(tmp_path / "big.fdl"), big)

@@ -57,9 +57,10 @@ def test_a_sidecar_killed_before_it_read_a_slot_leaves_no_fd_in_the_trainer(tmp_
     with snapsvc.SnapshotWriter(tmp_path, slots=1, fault_hook=hook) as w:
         for i in range(4):
             pending = w.submit(slow, f"slow{i}.fdl")
-            # a new layout: its slot goes down the pipe, the sidecar never reads it
-            with pytest.raises(TimeoutError):
-                w.submit(nn.Linear(8, 9 + i), f"new{i}.fdl", timeout=0.5)
+            # a layout larger than the arena: a new slot goes down the pipe, the
+            # sidecar never reads it
+            with pytest.raises(TimeoutError, match="not mapped"):
+                w.submit(nn.Linear(8, 4096 + i), f"new{i}.fdl", timeout=0.5)
             os.kill(w.pid, signal.SIGKILL)
             with pytest.raises(snapsvc.BrokenWriterError):
                 pending.result(timeout=30)

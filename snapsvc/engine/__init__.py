@@ -6,8 +6,8 @@ Data flow between the two processes::
     ---------------                                   -------------------------------------
     submit(model or state, path)          [writer.py]
       | plan.request: check values, path, metadata body; the pool's key
-      | plan.find_pool: the layout's pool (an idle one large enough, laid out
-      |   anew, when names change) and, for a model, its cached copy plan
+      | plan.find_pool: the layout's pool (when names change: slots large
+      |   enough, idle or busy, laid out anew) and, for a model, its copy plan
       | slots.SlotBroker: register the pool with the sidecar; reserve slot k
       |   (policy block/skip/latest)
       | copier: copy tensors ---> slot k ========= one shared-memory mapping per slot ======
@@ -34,7 +34,7 @@ Who owns what::
     book.py      Book: pending writes, flags, counters, reports               cond
     slots.py     SlotBroker: pool registration, slot reservation by policy
     dispatch.py  Dispatcher: copy into the slot, book it, send WRITE
-    pools.py     SlotPools: slots per layout, copy plans, memory budget
+    pools.py     SlotPools: slots by layout, copy plans, memory budget
     copier.py    Copier: blocking copy, overlap thread, CUDA stream           its own lock
     sidecar.py   Sidecar: the interpreter, its channels, handshake, reader    _send_lock
     worker.py    the sidecar process's loop: READY, slots, claims (the sidecar never imports torch)

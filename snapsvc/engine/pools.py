@@ -1,19 +1,34 @@
 """Slot pools and copy plans: where each submit's tensors go, and which tensors they are.
 
-A *slot* is an arena of shared memory (:mod:`snapsvc.engine.staging`); a
-*pool* is ``slots`` of them, laid out for one layout (names, shapes, dtypes)
-at a time. A layout the pools do not know takes over an idle pool whose
-arenas are large enough, else the idle slots of pools still writing others
-(a pool of fewer slots, topped up one at a time when they are all busy), so
-a checkpoint whose names or small tensors change at every save (Lightning's
-``best_k_models``), even while earlier ones are queued, reuses memory whose
-pages are already faulted in and which the sidecar has mapped: names, order
-and non-tensor values travel with each write, and the sidecar rebuilds only
-its headers (:mod:`.worker`). A *plan*
-caches, per model, the tensors to copy and their pool, so a submit of an
-unchanged model does not walk it by name. Memory stays bounded: the pools of
-layouts that the last submit did not use are released as soon as they are
-idle (:meth:`SlotPools._trim`), and ``max_slot_bytes`` caps the total.
+A *slot* is an arena of shared memory (:mod:`snapsvc.engine.staging`): bytes,
+laid out for one layout (names, shapes, dtypes) at a time. A *pool* holds the
+slots that stage the submits of one layout, ``slots`` of them as a rule.
+Memory follows a layout's bytes, not its names: a layout the pools do not
+know takes, new memory last (:meth:`SlotPools._fill`),
+
+1. an idle pool whose arenas all hold it, laid out anew;
+2. else idle slots of pools still writing others (a pool of fewer slots; when
+   they are all busy, it takes one more the same way);
+3. else, when every arena that holds it is busy, those slots, busy: the pool
+   is full, and the writer's policy waits for one of them, skips, or takes
+   back the newest queued (:mod:`.slots`), exactly as for a full pool of an
+   unchanged layout. A slot is laid out for its new pool once a submit
+   reserves it (:meth:`Pool.take`);
+4. only when no arena holds it (the first save, a grown state): new arenas,
+   within ``max_slot_bytes``.
+
+Slots are taken only from pools that no submit is using at that moment. So a
+checkpoint whose names or small tensors change at every save (Lightning's
+``best_k_models``), even while earlier ones are queued, never grows slot
+memory and never waits for the sidecar to map a new arena (which it does
+only after every write queued before): it reuses memory whose pages are
+faulted in and which the sidecar has mapped; names, order and non-tensor
+values travel with each write, and the sidecar rebuilds only its headers
+(:mod:`.worker`). A *plan* caches, per model, the tensors to copy and their
+pool, so a submit of an unchanged model does not walk it by name. Memory
+stays bounded: the pools of layouts that the last submit did not use are
+released as soon as they are idle (:meth:`SlotPools._trim`), and
+``max_slot_bytes`` caps the total.
 
 Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
 :class:`~snapsvc.engine.book.Book` of the writer that owns them: every method here
@@ -26,7 +41,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -74,16 +89,14 @@ class Slot:
         self.set_layout(layout)
 
     def set_layout(self, layout: Layout) -> None:
-        """Lay the arena out for ``layout`` (idle, its pool unused; the book's lock held).
-        Where only names changed, the tensors' views stay as they are."""
+        """Lay the arena out for ``layout`` (idle, its pool unused, or reserved by the
+        caller; the book's lock held). Where only names changed, the tensors' views
+        stay as they are."""
         old = getattr(self, "layout", None)
         self.layout = layout
         # incremental mode: (sources, indices of the frozen parameters, their
         # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
         self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
-        # what the buffer names add to a metadata file (client._pack_body's room)
-        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
-                                if s.kind == BUFFER)
         if old is not None and old.placed_like(layout):
             return
         self.views = staging.views(self.flat, layout)
@@ -107,9 +120,30 @@ class Slot:
 
 
 class Pool(list):
-    """The slots of one layout; ``users``: submits using it now (never trimmed then)."""
+    """The slots that stage the submits of ``layout``; ``users``: submits using it
+    now (never trimmed then). A slot taken busy from another pool holds that
+    pool's layout until a submit reserves it (:meth:`take`)."""
 
     users = 0
+
+    def __init__(self, slots: Iterable[Slot] = (), layout: Layout | None = None,
+                 pin: bool | None = None) -> None:
+        super().__init__(slots)
+        self.pin = self[0].pinned if pin is None else pin
+        self.lay_out(self[0].layout if layout is None else layout)
+
+    def lay_out(self, layout: Layout) -> None:
+        """Stage ``layout`` from now on (the caller lays out the idle slots)."""
+        self.layout = layout
+        # what the buffer names add to a metadata file (plan.pack_body's room)
+        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
+                                if s.kind == BUFFER)
+
+    def take(self, slot: Slot) -> None:
+        """Lay ``slot``, reserved by the caller, out for this pool's layout, if it
+        still holds another pool's (the book's lock held)."""
+        if slot.layout is not self.layout:
+            slot.set_layout(self.layout)
 
 
 def _meta(tensors: list[torch.Tensor]) -> tuple[list, ...]:
@@ -180,7 +214,7 @@ class Plan:
         aliased: list[torch.Tensor] = []
         aliases: list[torch.Tensor] = []
         steps: list[list[staging.Step]] = []
-        for group in pool[0].layout.groups:
+        for group in pool.layout.groups:
             group_steps: list[staging.Step] = []
             run: list[torch.Tensor] = []
             start = end = 0
@@ -243,9 +277,9 @@ class SlotPools:
 
     def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool) -> Pool:
         """The pool for ``key``: its own, an idle pool large enough laid out
-        anew, idle slots of busy pools (see :meth:`_spare`), else made from
-        ``layout()`` within the budget. Other pools are released if idle, even
-        when this raises: see :meth:`take_released`."""
+        anew, else one made of other pools' slots or new ones (see :meth:`_fill`
+        and the module docstring). Other pools are released if idle, even when
+        this raises: see :meth:`take_released`."""
         pool = self._pools.get(key)
         if pool is not None:
             self.use(pool)
@@ -256,23 +290,26 @@ class SlotPools:
             self.use(pool)
             return pool
         self._trim(keep=None)
-        pool = Pool()
-        self._fill(pool, lay, pin, self.slots)
+        pool = Pool(layout=lay, pin=pin)
+        self._fill(pool, self.slots)
         self._pools[key] = pool
         return pool
 
-    def _fill(self, pool: Pool, lay: Layout, pin: bool, count: int) -> None:
-        """Add up to ``count`` slots for ``lay`` to ``pool``: idle slots of other pools
-        if there are any (no new memory, nothing new for the sidecar to map, so
-        a save never waits for a write in progress), else ``count`` new ones."""
-        spare = self._spare(lay, pin)[:count]
-        if spare:
-            for slot in spare:
-                for donor in self._pools.values():
-                    if slot in donor:
-                        donor.remove(slot)
+    def _fill(self, pool: Pool, count: int) -> None:
+        """Add slots for ``pool.layout`` to ``pool``, new memory last. First up to
+        ``count`` idle slots of other pools, laid out anew; with none idle, every
+        busy slot of other pools whose arena holds it, for the writer's policy to
+        wait for, skip or take back as in a full pool (laid out once reserved);
+        only if no arena holds it, ``count`` new ones within the budget. Slots
+        that exist are faulted in and mapped by the sidecar already: a save never
+        waits for it to map one behind the writes queued before."""
+        lay, pin = pool.layout, pool.pin
+        fits = self._fitting(lay, pin, pool)
+        idle = [s for s in fits if not s.busy][:count]
+        if idle or fits:
+            self._move(idle or fits, pool)
+            for slot in idle:
                 slot.set_layout(lay)
-            pool.extend(spare)
             return
         need = count * lay.nbytes
         size = arena_bytes(lay)
@@ -300,25 +337,36 @@ class SlotPools:
         pool.extend(made)
         self._by_id.update((s.id, s) for s in made)
 
-    def _spare(self, lay: Layout, pin: bool) -> list[Slot]:
-        """Idle slots large enough for ``lay`` in pools that are writing others
-        (saves whose names change while earlier ones are queued), smallest
-        first: their pages are faulted in and the sidecar has them mapped. Their
-        pools keep the busy slots, and are released once idle."""
-        return sorted((s for p in self._pools.values() if not p.users for s in p
-                       if not s.busy and s.pinned == pin and s.capacity >= lay.nbytes),
+    def _fitting(self, lay: Layout, pin: bool, pool: Pool) -> list[Slot]:
+        """The slots whose arenas hold ``lay`` in the pools other than ``pool`` that
+        no submit is using now (saves whose names change while earlier ones are
+        queued), smallest first."""
+        return sorted((s for p in self._pools.values() if p is not pool and not p.users
+                       for s in p if s.pinned == pin and s.capacity >= lay.nbytes),
                       key=lambda s: s.capacity)
 
+    def _move(self, slots: list[Slot], pool: Pool) -> None:
+        """Move ``slots`` from their pools to ``pool``; a pool left empty goes, with its plans."""
+        taken = set(map(id, slots))
+        for key, donor in list(self._pools.items()):
+            if donor is not pool and any(id(s) in taken for s in donor):
+                donor[:] = [s for s in donor if id(s) not in taken]
+                if not donor:
+                    del self._pools[key]
+                    self._forget_plans({id(donor)})
+        pool.extend(slots)
+
     def _reuse(self, key: tuple, lay: Layout, pin: bool) -> Pool | None:
-        """The smallest idle pool whose arenas hold ``lay``, now laid out for it."""
+        """The smallest idle pool whose arenas all hold ``lay``, now laid out for it."""
         fits = [(k, p) for k, p in self._pools.items()
-                if not p.users and not any(s.busy for s in p) and p[0].pinned == pin
-                and p[0].capacity >= lay.nbytes]
+                if not p.users and p.pin == pin
+                and all(not s.busy and s.capacity >= lay.nbytes for s in p)]
         if not fits:
             return None
-        old, pool = min(fits, key=lambda kp: kp[1][0].capacity)
+        old, pool = min(fits, key=lambda kp: sum(s.capacity for s in kp[1]))
         del self._pools[old]
-        self._forget_plans({id(s) for s in pool})
+        self._forget_plans({id(pool)})
+        pool.lay_out(lay)
         for slot in pool:
             slot.set_layout(lay)
         self._pools[key] = pool
@@ -333,11 +381,12 @@ class SlotPools:
         self._plans[model] = plan
 
     def use(self, pool: Pool) -> None:
-        """``pool`` serves this submit: one made of spares (fewer than ``slots``
-        slots), all busy, takes one more; the other idle pools are released."""
+        """``pool`` serves this submit: one of fewer than ``slots`` slots, all busy,
+        takes one more, or the busy slots that hold its layout (see :meth:`_fill`);
+        the other idle pools are released."""
         if len(pool) < self.slots and all(s.busy for s in pool):
             try:
-                self._fill(pool, pool[0].layout, pool[0].pinned, 1)
+                self._fill(pool, 1)
             except SlotBudgetError:
                 pass  # the writer's policy waits for one of its own, as for a full pool
         self._trim(keep=pool)
@@ -350,7 +399,7 @@ class SlotPools:
         return gone
 
     def _trim(self, keep: Pool | None) -> None:
-        gone = []
+        gone, pools = [], set()
         for key, pool in list(self._pools.items()):
             if pool is keep or pool.users or any(s.busy for s in pool):
                 continue
@@ -359,14 +408,15 @@ class SlotPools:
                 del self._by_id[slot.id]
                 slot.release()
             gone += pool
-        if gone:
-            self._forget_plans({id(s) for s in gone})
+            pools.add(id(pool))
+        if pools:
+            self._forget_plans(pools)
         self._released += gone
 
-    def _forget_plans(self, slots: set[int]) -> None:
-        """Drop the plans whose pool holds these slots (by id): laid out anew or gone."""
+    def _forget_plans(self, pools: set[int]) -> None:
+        """Drop the plans of these pools (by id): laid out anew or gone."""
         for model, plan in list(self._plans.items()):
-            if id(plan.pool[0]) in slots:
+            if id(plan.pool) in pools:
                 del self._plans[model]
 
     def clear(self) -> None:

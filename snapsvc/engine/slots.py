@@ -4,7 +4,10 @@ A pool's shared memory is registered with the current sidecar once per
 generation (all its slots at once, while the sidecar is likely idle: it
 maps them in queue order). A free slot is then reserved by the writer's
 policy when all are busy: ``"block"`` waits, ``"skip"`` gives up,
-``"latest"`` takes back the newest queued, unstarted snapshot's slot.
+``"latest"`` takes back the newest queued, unstarted snapshot's slot. A pool
+may hold slots it took busy from pools of other layouts (names that changed,
+see :mod:`.pools`): the policy treats them as its own, and a slot is laid
+out for the pool's layout once reserved.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from ..errors import BrokenWriterError
 from ..format import protocol
 from .book import Book, Pending
 from .handles import WriteReport
-from .pools import RESERVED, Slot
+from .pools import RESERVED, Pool, Slot
 from .sidecar import Sidecar
 from .staging import slot_fd
 from .worker import REVOKED
@@ -58,7 +61,7 @@ class SlotBroker:
                                         "submit handed it its slots; submit again")
         return gen
 
-    def acquire(self, pool: list[Slot], timeout: float | None) -> Slot | None:
+    def acquire(self, pool: Pool, timeout: float | None) -> Slot | None:
         """A free slot of ``pool``, reserved for the caller, by the policy."""
         book = self.book
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -73,13 +76,15 @@ class SlotBroker:
                     slot, revoked = self._revoke_newest(pool)
                 if slot is not None:
                     slot.seq = RESERVED
+                    pool.take(slot)
                     break
                 if self.policy == "skip":
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"no free slot within {timeout} s: {len(pool)} "
-                                       "snapshots of this layout are still being written")
+                    raise TimeoutError(f"no free slot within {timeout} s: the {len(pool)} slots "
+                                       "that hold this snapshot are still being written; "
+                                       "give submit a longer timeout or the writer more slots")
                 book.cond.wait(0.5 if left is None else min(left, 0.5))
         if revoked is not None:
             revoked.handle._future.set_result(WriteReport(

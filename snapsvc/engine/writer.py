@@ -42,11 +42,13 @@ class SnapshotWriter:
     """Owns one writer sidecar process and the shared-memory slots it reads.
 
     ``directory``: base for relative paths (created if missing); directories
-    inside a path are created at submit. ``slots``: snapshots in flight per
-    layout (memory is ``slots x snapshot bytes``); pools of layouts the last
-    submit did not use are freed once idle, and ``max_slot_bytes`` caps all
-    slots together. ``policy`` when every slot is busy: ``"block"`` waits
-    (up to submit's ``timeout``), ``"skip"`` drops this snapshot,
+    inside a path are created at submit. ``slots``: snapshots in flight
+    (memory is ``slots x snapshot bytes``); a layout whose names change takes
+    the slots that hold it, busy or not, before new memory (see
+    :mod:`snapsvc.engine.pools`); pools of layouts the last submit did not use
+    are freed once idle, and ``max_slot_bytes`` caps all slots together.
+    ``policy`` when every slot is busy: ``"block"`` waits (up to submit's
+    ``timeout``), ``"skip"`` drops this snapshot,
     ``"latest"`` replaces the newest queued, unstarted one.
     ``keep_last``: per directory, keep the newest N files of each series this
     writer wrote, a series being the names that differ only in their digits
@@ -226,7 +228,7 @@ class SnapshotWriter:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
         try:
-            body = pack_body(path, pool[0].buffer_bytes, req.plain, epoch=epoch,
+            body = pack_body(path, pool.buffer_bytes, req.plain, epoch=epoch,
                              metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
                              extra_state=req.extra_state)
             return self._dispatch.stage(pool, sources, plan, path, body, started, timeout)
