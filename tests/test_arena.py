@@ -205,3 +205,27 @@ def test_names_that_change_while_every_slot_is_busy_take_a_slot_by_the_policy(
         if n in written[policy]:
             assert_same(snapsvc.load(tmp_path / f"{n}.fdl"), wanted[n], n)
     assert_same(snapsvc.load(tmp_path / "big.fdl"), big)
+
+
+@pytest.mark.timeout(120)
+def test_latest_never_supersedes_another_models_queued_write(tmp_path, no_leaks):
+    """"latest" takes back a queued snapshot of the same checkpoint (its layout, or one
+    placed like it: names changed), never one of another shape that merely fits in its
+    arena: that submit waits for a slot, and every file is written."""
+    hold = functools.partial(hooks.hold, "GO", "held")
+    with snapsvc.SnapshotWriter(tmp_path, slots=2, policy="latest", fault_hook=hold) as w:
+        try:
+            w.submit({"x": torch.ones(4096)}, "warm.fdl").result(timeout=60)
+            handles = [w.submit({f"{n}/x": torch.full((4096,), float(i))}, f"{n}.fdl")
+                       for i, n in enumerate(("held", "b"))]
+            other = {"y": torch.full((1024,), 3.0), "z": torch.arange(512)}  # fits, other shape
+            with pytest.raises(TimeoutError, match="no free slot"):
+                w.submit(other, "other.fdl", timeout=0.3)
+            assert not handles[1].done()   # b was not taken back
+        finally:
+            (tmp_path / "GO").touch()
+        for h in handles:
+            assert not h.result(timeout=60).skipped
+        w.submit(other, "other.fdl", timeout=60).result(timeout=60)
+    assert_same(snapsvc.load(tmp_path / "b.fdl"), {"b/x": torch.full((4096,), 1.0)})
+    assert_same(snapsvc.load(tmp_path / "other.fdl"), other)

@@ -92,9 +92,13 @@ class SlotBroker:
                 total_s=time.monotonic() - revoked.started, seq=revoked.handle.seq))
         return slot
 
-    def _revoke_newest(self, pool: list[Slot]) -> tuple[Slot | None, Pending | None]:
-        """Take back the newest queued, unstarted snapshot's slot (cond held)."""
-        for slot in sorted((s for s in pool if s.seq), key=lambda s: s.seq, reverse=True):
+    def _revoke_newest(self, pool: Pool) -> tuple[Slot | None, Pending | None]:
+        """Take back the newest queued, unstarted snapshot's slot (cond held): of this
+        pool's layout, or of one placed like it (the same checkpoint, its names
+        changed), never another model's, which "latest" does not supersede."""
+        mine = [s for s in pool if s.seq and (s.layout is pool.layout
+                                              or s.layout.placed_like(pool.layout))]
+        for slot in sorted(mine, key=lambda s: s.seq, reverse=True):
             if slot.copying:
                 continue
             with self.sidecar.claim_lock:
