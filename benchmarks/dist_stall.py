@@ -226,12 +226,13 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
             for rep in range(reps + 1):        # rep 0: warm-up, not recorded
                 for m in methods:
                     _touch(model, opt)
+                    # the floor: this rank's tensors of that checkpoint, copied right
+                    # before (the last write is durable: its sidecar idle, as at the save)
+                    raw.measure(tensors(model, opt))
                     dist.barrier()
                     t0 = time.perf_counter()
                     m.save(model, opt)
                     stall = time.perf_counter() - t0
-                    # the floor: this rank's tensors of that checkpoint, copied right after
-                    raw.measure(tensors(model, opt))
                     m.wait_durable()
                     durable = time.perf_counter() - t0
                     if rep:

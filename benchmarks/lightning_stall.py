@@ -31,7 +31,7 @@ asked for is timed (the script fails otherwise). What is timed per checkpoint:
             Lightning's dump and the removal
   rm        CheckpointIO.remove_checkpoint alone
   raw       torch._foreach_copy_ of exactly the tensors of that checkpoint
-            into shared memory allocated once, timed right after each save in
+            into shared memory allocated once, timed right before each save in
             the same process (benchmarks/rawcopy.py): the floor
 
 The first checkpoint is reported apart (it starts the sidecar, allocates
@@ -144,10 +144,17 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         timed_save = timed(trainer.save_checkpoint, stall)
 
         def save_then_raw(*a: Any, **k: Any) -> Any:
+            # The floor: the same tensors (the last checkpoint's dict holds the live
+            # ones), copied right before the save while the sidecar is idle; right
+            # after, the copy would compete with the sidecar writing this checkpoint.
+            # The first save has no dict before it: its copy follows it.
+            if last[0] is not None:
+                raw.measure(last[0])
             out = timed_save(*a, **k)
+            if len(raw.times) < len(stall):
+                raw.measure(last[0])
             waits.append(0.0)
             removal.append(0.0)
-            raw.measure(last[0])  # the same tensors, right after, outside the stall
             return out
 
         trainer.save_checkpoint = save_then_raw

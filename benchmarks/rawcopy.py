@@ -3,9 +3,10 @@
 :class:`RawCopy` times ``torch._foreach_copy_`` of exactly the tensors of one
 checkpoint (found anywhere in nested dicts, lists, tuples and objects'
 ``state_dict()``) into CPU shared memory allocated once per set of shapes and
-dtypes, outside the timing. Call :meth:`measure` right after each save, in
+dtypes, outside the timing. Call :meth:`measure` right before each save, in
 the same process and thread, so the stall and its raw copy see the same
-caches and the same load.
+caches and the same load: right after it, the copy would compete with the
+sidecar writing that checkpoint (at training's priority on a CPU run).
 """
 
 from __future__ import annotations

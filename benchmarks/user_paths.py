@@ -4,7 +4,7 @@ Runs, one after another on the same machine, the four benchmarks below
 (each in its own processes), reads their figures and prints one table. Every
 ratio is the median stall over the median raw copy of the same run: the raw
 copy is ``torch._foreach_copy_`` of exactly the tensors of that checkpoint
-into shared memory allocated once, timed in the same process right after
+into shared memory allocated once, timed in the same process right before
 each save (see each script's docstring)::
 
     path                          script                      goal
