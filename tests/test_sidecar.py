@@ -173,12 +173,14 @@ def test_sidecar_is_a_fresh_interpreter_at_lower_priority(tmp_path, net):
 def test_default_nice_yields_the_cpu_only_beside_a_cuda_job(tmp_path, monkeypatch, cuda):
     """nice=None: a CPU run's sidecar shares the CPU at training's priority (niced, it
     falls behind a loop that keeps every core busy); beside a process that has
-    initialized CUDA, whose CPU is spare, it yields at nice +10."""
+    initialized CUDA, whose CPU is spare, it yields at nice +10. Either way a batch
+    task: the WRITE that wakes it never preempts the trainer's returning submit."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
     with snapsvc.SnapshotWriter(tmp_path) as w:
         w.start()
         assert os.getpriority(os.PRIO_PROCESS, w.pid) == \
             min(19, os.getpriority(os.PRIO_PROCESS, 0) + (10 if cuda else 0))
+        assert os.sched_getscheduler(w.pid) == os.SCHED_BATCH
 
 
 def test_pid_none_before_start_and_autostart(tmp_path, net):
