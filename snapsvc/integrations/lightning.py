@@ -107,6 +107,7 @@ import os
 import pathlib
 import re
 import sys
+import queue
 import threading
 import weakref
 from collections.abc import Mapping
@@ -169,7 +170,11 @@ class SnapsvcCheckpointIO:
         self._handles: list[WriteHandle] = []
         # path -> its removal, until its files are gone (see remove_checkpoint)
         self._doomed: dict[str, _Removal] = {}
-        self._lock = threading.Lock()   # _doomed: the removals' threads change it too
+        self._lock = threading.Lock()   # _doomed: the removals' thread changes it too
+        # one thread runs the removals, in turn, started at the first: not a thread
+        # per removal, whose start() waits until the new thread is scheduled
+        self._removals: queue.SimpleQueue[_Removal | None] = queue.SimpleQueue()
+        self._remover: threading.Thread | None = None
         self._trainer: Callable[[], Any] | None = None  # weakref to the fitting trainer (overlap)
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step hook)
 
@@ -226,8 +231,16 @@ class SnapsvcCheckpointIO:
             if path in self._doomed:  # removed already, not saved since (a save settles it first)
                 return
             self._doomed[path] = removal
-        threading.Thread(target=self._bury, args=(removal, False), name="snapsvc-remove",
-                         daemon=True).start()  # teardown finishes it if the process ends first
+            if self._remover is None:   # a daemon: teardown finishes what it has not
+                self._remover = threading.Thread(target=self._remove_all, args=(self._removals,),
+                                                 name="snapsvc-remove", daemon=True)
+                self._remover.start()
+            self._removals.put(removal)
+
+    def _remove_all(self, removals: "queue.SimpleQueue[_Removal | None]") -> None:
+        """The removals' thread: each removal in turn, until teardown's None."""
+        while (removal := removals.get()) is not None:
+            self._bury(removal, False)
 
     def _bury(self, removal: _Removal, raise_error: bool = True) -> None:
         """Run ``removal`` (or wait for the thread running it); forget it once its files are gone.
@@ -264,6 +277,10 @@ class SnapsvcCheckpointIO:
             for removal in list(self._doomed.values()):  # written now: removed here or by their thread
                 self._bury(removal)
         finally:
+            with self._lock:   # its thread stops once through what it holds (done by now)
+                if self._remover is not None:
+                    self._removals.put(None)
+                    self._remover = None
             for _, hook in self._guards:
                 hook.remove()
             self._guards = []
