@@ -138,7 +138,7 @@ class Layout:
     def groups(self) -> tuple[Group, ...]:
         """The packed groups, in slot order."""
         out = []
-        for indices in _grouped(self.specs).values():
+        for indices in _grouped((s.kind, s.dtype) for s in self.specs).values():
             first = self.specs[indices[0]]
             out.append(Group(tuple(indices), first.offset,
                              sum(self.specs[i].nbytes for i in indices), first.dtype))
@@ -179,12 +179,9 @@ def _place(kinds: tuple[tuple[str, tuple[int, ...], str], ...]
     in file order, and the layout's size."""
     kinds = tuple((kind, shape, d if type(d) is str else dtype_name(d)) for kind, shape, d in kinds)
     sizes = [math.prod(shape) * _ITEMSIZE[dtype] for _, shape, dtype in kinds]
-    groups: dict[tuple[bool, str], list[int]] = {}
-    for i, (kind, _, dtype) in enumerate(kinds):
-        groups.setdefault(_group_key(kind, dtype), []).append(i)
     offsets = [0] * len(kinds)
     offset = HEADER
-    for indices in groups.values():  # the order _grouped() gives
+    for indices in _grouped((kind, dtype) for kind, _, dtype in kinds).values():
         for i in indices:
             offsets[i] = offset
             offset += sizes[i]
@@ -193,8 +190,9 @@ def _place(kinds: tuple[tuple[str, tuple[int, ...], str], ...]
                  for (kind, shape, dtype), off, n in zip(kinds, offsets, sizes)), offset
 
 
-def _grouped(specs: Sequence[TensorSpec]) -> dict[tuple[bool, str], list[int]]:
+def _grouped(kinds: Iterable[tuple[str, str]]) -> dict[tuple[bool, str], list[int]]:
+    """Entry indices by group, given each entry's (kind, dtype name), in slot order."""
     groups: dict[tuple[bool, str], list[int]] = {}
-    for i, spec in enumerate(specs):
-        groups.setdefault(_group_key(spec.kind, spec.dtype), []).append(i)
+    for i, (kind, dtype) in enumerate(kinds):
+        groups.setdefault(_group_key(kind, dtype), []).append(i)
     return groups
