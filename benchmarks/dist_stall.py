@@ -227,7 +227,9 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                 for m in methods:
                     _touch(model, opt)
                     # the floor: this rank's tensors of that checkpoint, copied right
-                    # before (the last write is durable: its sidecar idle, as at the save)
+                    # before (the last write is durable: its sidecar idle, as at the save),
+                    # every rank at once after a barrier, as they copy at the save
+                    dist.barrier()
                     raw.measure(tensors(model, opt))
                     dist.barrier()
                     t0 = time.perf_counter()

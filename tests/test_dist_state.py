@@ -143,7 +143,42 @@ def scenario_state(rank: int, world: int, tmp: str) -> dict:
     torch.set_rng_state(saved["rng"])
     train(model3, opt3, sched3, 2)
     res["dcp"] = mismatches(want, observed(model3, opt3, sched3))
+    res["memo"] = memo_checks(tmp)
     return res
+
+
+CHANGES = ("first", "trained", "round trip", "set_", "trained again")
+
+
+def memo_checks(tmp: str) -> dict:
+    """Saves of one state through one writer, whose walk and pieces are kept between
+    submits: each file must hold this rank's pieces as a plan made afresh has them,
+    also after FSDP2 gave a parameter's DTensor a new local tensor (.to(): the same
+    DTensor, the same shape and dtype, other memory) and after a local tensor was
+    given other memory in place (set_)."""
+    from snapsvc.distributed.shards import ShardMemo, _state_plan
+    model, opt, sched = make_run(0)
+    train(model, opt, sched, 1)
+    state = {"model": model, "optim": opt}
+    out = {}
+    with snapsvc.DistributedSnapshotWriter(os.path.join(tmp, "memo"), coord_timeout=60) as w:
+        for step, change in enumerate(CHANGES, 1):
+            if change.startswith("trained"):
+                train(model, opt, sched, 1)
+            elif change == "round trip":   # FSDP2 puts new local tensors in its DTensors
+                model.to(torch.float64)
+                model.to(torch.float32)
+                train(model, opt, sched, 1)
+            elif change == "set_":
+                with torch.no_grad():
+                    local = model[0].weight._local_tensor
+                    local.set_(local.clone() + 1)
+            fresh, _, _ = _state_plan(state, torch.distributed.get_rank(), ShardMemo())
+            want = {n: t.clone() for n, t in [*fresh.params, *fresh.buffers,
+                                               *((n, t) for _, n, t in fresh.rest)]}
+            got = snapsvc.read_checkpoint(w.submit(state, step).result(RESULT_S).file).entries
+            out[change] = (sorted(want) == sorted(got), mismatches(want, got))
+    return out
 
 
 def scenario_reshard(rank: int, world: int, tmp: str, path: str, reference: str) -> dict:
@@ -173,6 +208,12 @@ def test_state_saved_and_resumed_bit_exact_at_world_size_2(world2):
         assert res["loader"] == LOADER
         assert res["skipped"] == ["rng", "loader"]
         assert res["restored"] == ["model", "optim", "sched"]
+
+
+def test_kept_plan_notices_new_local_tensors(world2):
+    _, results = world2
+    for res in results:
+        assert res["memo"] == {c: [True, []] for c in CHANGES}
 
 
 def test_differing_keys_and_repeated_step_refused_on_every_rank(world2):

@@ -18,6 +18,7 @@ every further submit.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -30,7 +31,8 @@ from ..engine.handles import WriteReport
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..files.meta import read_meta
-from ..format import fdl
+from ..format import fdl, protocol
+from ..state.tree import outline
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item, _settle
 from .manifest import MANIFEST_NAME, Manifest, RankFile, _write_manifest
@@ -136,10 +138,14 @@ class Coordinator:
         """This rank's outcome, as sent to the others."""
         out: dict[str, Any] = {"step": item.step, "ok": False, "error": None,
                                "host": self.host, "pid": os.getpid(), "what": item.what,
-                               "digests": item.digests}
+                               "digests": None}
         if item.error is not None:
             out["error"] = f"submit() raised {_reason(item.error)}"
             return out, None
+        if item.tree is not None:   # here, not in submit(): off the training thread
+            item.outline = outline(item.tree)
+            out["digests"] = item.digests = (
+                _digest("\n".join(item.outline).encode()), _digest(protocol.pack_value(item.tree)))
         try:
             report = item.handle.local.result(timeout=self.write_timeout)
         except TimeoutError:
@@ -282,3 +288,7 @@ class Coordinator:
             total_s=time.monotonic() - item.started, seq=item.handle.seq, step=step,
             file=item.handle.file, manifest=os.path.join(item.handle.path, MANIFEST_NAME),
             rank=self.rank, world_size=self.world_size, total_bytes=total, coord_s=coord_s))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

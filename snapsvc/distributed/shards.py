@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 import torch
 from torch import nn
 
 from ..files.checkpoint import persistent_buffers
 from ..format import fdl
+from ..engine.pools import tensor_guard
 from ..engine.snapshot import ModelSnapshot
 from ..state.resume import optimizer_state
-from ..state.tree import Flat, dtensor_type as _dtensor_type, find, flatten, \
+from ..state.tree import Flat, WalkMemo, dtensor_type as _dtensor_type, find, flatten, \
     is_dtensor as _is_dtensor, param_names
 
-__all__ = ["SHARDS_KEY"]
+__all__ = ["SHARDS_KEY", "ShardMemo"]
 
 
 SHARDS_KEY = "snapsvc_shards"
@@ -87,7 +89,7 @@ def _piece(name: str, kind: str, t: torch.Tensor, rank: int
         b = _block_of(t, name)
         if b is None or not b.writes:
             return None
-        local = t.to_local()   # under _shard_plan's no_grad: no autograd view
+        local = t.to_local()   # under no_grad: its local tensor, no autograd view
         if list(local.shape) != b.lengths:
             raise ValueError(f"{name!r}: local shard has shape {list(local.shape)}, its placements "
                              f"{b.placements} on mesh {b.mesh} give {b.lengths}")
@@ -95,7 +97,8 @@ def _piece(name: str, kind: str, t: torch.Tensor, rank: int
     else:
         if rank != 0:
             return None
-        local, offsets, lengths, mesh, placements = t.detach(), [0] * len(shape), shape, None, None
+        # the live tensor (copied under no_grad): a memo's piece stays valid with it
+        local, offsets, lengths, mesh, placements = t, [0] * len(shape), shape, None, None
     if math.prod(lengths) == 0 and math.prod(shape) != 0:
         return None             # an empty shard (more ranks than rows): nothing to write
     return local, {"name": name, "kind": kind, "shape": shape,
@@ -132,40 +135,104 @@ def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank:
     return ModelSnapshot(first, rest), records, desc
 
 
+class _Pieces(NamedTuple):
+    """One walk's entries and what this rank stages of each (see :class:`ShardMemo`)."""
+
+    entries: list[tuple]                  # the flattened state's, in file order
+    sources: list[torch.Tensor]           # each one's local tensor then (a plain tensor: itself)
+    pieces: list[tuple[torch.Tensor, dict[str, Any]] | None]   # (piece, record), or None
+    dtensors: list[Any]                   # the DTensors this rank stages a piece of,
+    dsources: list[torch.Tensor]          # their local tensors then,
+    dpieces: list[torch.Tensor]           # and those pieces
+    staged: tuple[list, list, list, list]  # params, buffers, rest (as Flat has them), records
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
+_NONE = _Pieces([], [], [], [], [], [], ([], [], [], []))
+
+
+class ShardMemo:
+    """What the last state submit of a rank found: its walk (:class:`WalkMemo`),
+    and per entry its piece. An entry the walk reused (the same tuple: the same
+    tensor object, its shape, strides and dtype checked) keeps its piece and
+    record while a DTensor's local tensor is still the same object at the same
+    address (FSDP2 puts a new one in the same DTensor on ``load_state_dict()``
+    and ``.to()``; a Parameter's ``to_local()`` is a new view at every call).
+    When every entry is the last walk's, that is checked in a few C-level passes."""
+
+    def __init__(self) -> None:
+        self.walk = WalkMemo(tensor_guard)
+        self.last = _NONE   # replaced whole: a submit from another thread sees one walk's
+
+    def pieces(self, flat: Flat, rank: int) -> tuple[list, list, list, list]:
+        """This rank's pieces of ``flat``'s params, buffers and rest, and their records."""
+        last, is_ = self.last, operator.is_
+        ptr = torch.Tensor.data_ptr
+        entries = [*flat.params, *flat.buffers, *flat.rest]
+        if len(entries) == len(last.entries) and all(map(is_, entries, last.entries)) \
+                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)) \
+                and list(map(ptr, last.dpieces)) == list(map(ptr, last.dsources)):
+            return tuple(map(list, last.staged))  # type: ignore[return-value]
+        index = {id(e): i for i, e in enumerate(last.entries)}
+        dtensor = _dtensor_type() or ()   # loaded: the state holds one
+        now = _Pieces(entries, [], [], [], [], [], ([], [], [], []))
+        params, buffers, rest, records = now.staged
+        n_params, n_buffers = len(flat.params), len(flat.params) + len(flat.buffers)
+        for i, entry in enumerate(entries):
+            name, t = entry[-2:]
+            is_dtensor = isinstance(t, dtensor)
+            source = t._local_tensor if is_dtensor else t
+            j = index.get(id(entry))
+            if j is not None and last.entries[j] is entry and last.sources[j] is source \
+                    and (last.pieces[j] is None or ptr(last.pieces[j][0]) == ptr(source)):
+                piece = last.pieces[j]
+            else:
+                kind = "param" if i < n_params else "buffer" if i < n_buffers else entry[0]
+                piece = _piece(name, kind, t, rank)
+            now.sources.append(source)
+            now.pieces.append(piece)
+            if piece is None:
+                continue
+            if i < n_params:
+                params.append((name, piece[0]))
+            elif i < n_buffers:
+                buffers.append((name, piece[0]))
+            else:
+                rest.append((entry[0], name, piece[0]))
+            records.append(piece[1])
+            if is_dtensor:
+                now.dtensors.append(t)
+                now.dsources.append(source)
+                now.dpieces.append(piece[0])
+        self.last = now
+        return tuple(map(list, now.staged))  # type: ignore[return-value]
+
+
 @torch.no_grad()
-def _state_plan(state: Mapping, rank: int) -> tuple[Flat, list[dict[str, Any]], dict[str, Any]]:
+def _state_plan(state: Mapping, rank: int, memo: ShardMemo
+                ) -> tuple[Flat, list[dict[str, Any]], dict[str, Any]]:
     """What this rank stages of a state mapping: its pieces of every tensor (DTensor
     shards, and the plain tensors on rank 0) as a flattened state (one copy pass),
     their records in file order, and the description for the manifest.
+    ``memo``: what the last call found (its walk, its pieces), kept while it holds.
 
     The description lists the model's parameter and buffer names (the module
     that keeps its own names: ``consolidate`` writes it) and, per optimizer,
     its parameters' entry names in ``param_groups`` order (None when one is in
     no module of the state), so a restore maps its state by name.
     """
-    records: dict[str, dict[str, Any]] = {}
-    names: dict[str, list[str]] = {"param": [], "buffer": []}
-
-    def shard(kind: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
-        if kind in names:
-            names[kind].append(name)
-        piece = _piece(name, kind, t, rank)
-        if piece is None:
-            return None
-        records[name] = piece[1]
-        return piece[0]
-
-    flat = flatten(state, shard=shard)
-    order = [n for n, _ in flat.params] + [n for n, _ in flat.buffers] \
-        + [n for _, n, _ in flat.rest]
+    flat = flatten(state, memo.walk, sharded=True)
+    params, buffers, rest, records = memo.pieces(flat, rank)
+    # a piece has its DTensor's name, dtype and rank: checked by the walk
+    mine = Flat(params, buffers, rest, flat.tree, flat.structural_hash, flat.kinds, flat.checked)
     pnames = param_names(state)
     optimizers = {}
     for where, opt in find(state, torch.optim.Optimizer):
         listed = [pnames.get(id(p)) for g in opt.param_groups for p in g["params"]]
         optimizers[where] = None if None in listed else listed
-    desc = {"params": names["param"], "buffers": names["buffer"], "optimizer": None,
-            "state": {"optimizers": optimizers}}
-    return flat, [records[n] for n in order], desc
+    desc = {"params": [n for n, _ in flat.params], "buffers": [n for n, _ in flat.buffers],
+            "optimizer": None, "state": {"optimizers": optimizers}}
+    return mine, records, desc
 
 
 def _holds_dtensor(state: Mapping) -> bool:

@@ -40,7 +40,6 @@ restarts).
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import operator
 import os
@@ -54,14 +53,14 @@ from torch import nn
 
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
-from ..format import protocol
-from ..state.tree import check_plain, outline
+from ..state.tree import check_plain
 from ..remote.store import check_remote
 from .commit import Coordinator
 from .coord import _all_gather_msg, _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
-from .shards import SHARDS_KEY, _holds_dtensor, _is_sharded, _shard_plan, _state_plan
+from .shards import SHARDS_KEY, ShardMemo, _holds_dtensor, _is_sharded, _shard_plan, \
+    _state_plan
 from .uploads import Uploads, upload_wait
 
 __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWriteReport"]
@@ -169,6 +168,7 @@ class DistributedSnapshotWriter:
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
                                   on_commit=None if self._uploads is None else self._uploads.add)
+        self._shard_memo = ShardMemo()   # a state submit's walk, kept for the next
         self._started = False
         self._closed = False
 
@@ -294,10 +294,9 @@ class DistributedSnapshotWriter:
                     raise TypeError("with a state mapping, put optimizers and extra values "
                                     "inside the mapping")
                 self._ranged(item, "a state mapping")
-                flat, item.records, item.sharded = _state_plan(model, self.rank)
-                item.outline = outline(flat.tree)
-                item.digests = (_digest("\n".join(item.outline).encode()),
-                                _digest(protocol.pack_value(flat.tree)))
+                flat, item.records, item.sharded = _state_plan(model, self.rank,
+                                                               self._shard_memo)
+                item.tree = flat.tree   # its outline and digests: the coordinator's work
                 handle.local = self._writer.submit(flat, handle.file, metrics=metrics,
                                                    epoch=epoch)
             elif isinstance(model, nn.Module) and _is_sharded(model):
@@ -331,10 +330,6 @@ class DistributedSnapshotWriter:
         uploads = {} if self._uploads is None else dict(self._uploads.counts)
         return {**self._coord.counts, **uploads, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @atexit.register

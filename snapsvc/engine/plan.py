@@ -99,7 +99,7 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,
         flat = obj if isinstance(obj, Flat) else flatten(obj, memo)
         req = _entries(flat.params, flat.buffers, state=flat.rest,
                        structural_hash=flat.structural_hash,
-                       checked=not isinstance(obj, Flat))  # a Flat's pieces: checked here
+                       checked=flat.checked)  # a walk checked them, naming key paths
         req.tree, req.plain = flat.tree, not flat.kinds
         return req
     raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "

@@ -26,7 +26,7 @@ the top-level values. Its parameters then persistent buffers come first in
 the file and its structural hash goes in the header; every other entry
 follows in the state's order. Tensors of other dtypes (bool, uint8, int8,
 int16, complex, float8: RNG states are uint8) go through the slot like the
-rest, into the data file. Only a multi-rank submit (``shard``) still keeps
+rest, into the data file. Only a multi-rank submit (``sharded``) still keeps
 them as raw bytes in the metadata, within its size limit, as every snapsvc
 before the data file did (:data:`INLINE_DTYPES`; still read).
 
@@ -53,7 +53,7 @@ from ..errors import EncodeError, UnsupportedStateError
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 
-__all__ = ["Flat", "StepState", "Shard", "WalkMemo", "flatten", "walk", "check_plain", "find", "path_name", "param_names", "outline", "dtensor_type", "is_dtensor", "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES", "MAX_DEPTH"]
+__all__ = ["Flat", "StepState", "WalkMemo", "flatten", "walk", "check_plain", "find", "path_name", "param_names", "outline", "dtensor_type", "is_dtensor", "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES", "MAX_DEPTH"]
 
 
 MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
@@ -172,11 +172,6 @@ def _show(path: tuple, root: str = "state") -> str:
     return root + "".join(f"[{k!r}]" for k in path)
 
 
-# (kind, entry name, tensor) -> what this process stages for it, or None when another
-# process writes it; DTensors reach it only with a Shard (snapsvc.distributed)
-Shard = Callable[[str, str, torch.Tensor], "torch.Tensor | None"]
-
-
 @dataclass
 class Flat:
     """A state taken apart for staging: tensors by kind, and the tree."""
@@ -187,6 +182,7 @@ class Flat:
     tree: Any = None
     structural_hash: str = ""
     kinds: bool = False  # the tree holds a Counter, OrderedDict or defaultdict
+    checked: bool = False  # its entries passed the encoders' checks (flatten's do)
 
     def tensors(self) -> list[torch.Tensor]:
         """Copy sources, in the layout's order."""
@@ -232,10 +228,10 @@ def _has_inline(node: dict) -> bool:
 
 class _Walker:
     def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
-                 shard: Shard | None = None, memo: WalkMemo | None = None) -> None:
+                 sharded: bool = False, memo: WalkMemo | None = None) -> None:
         self.model_key = model_key
         self.tensors_ok = tensors_ok
-        self.shard = shard
+        self.sharded = sharded
         self.root = root
         self.flat = Flat()
         self.names: dict[str, tuple] = {}
@@ -389,8 +385,8 @@ class _Walker:
                               ) from None
 
     def tensor(self, t: torch.Tensor, path: tuple, kind: str, name: str | None = None) -> Any:
-        sharded = type(t) not in (torch.Tensor, nn.Parameter)
-        if sharded and (self.shard is None or not is_dtensor(t)):
+        subclass = type(t) not in (torch.Tensor, nn.Parameter)
+        if subclass and (not self.sharded or not is_dtensor(t)):
             raise self.refuse(path, f"a tensor subclass {type(t).__name__}" + (
                 " (a sharded tensor: save the state on every rank with "
                 "snapsvc.DistributedSnapshotWriter(...).submit(state, step), or pass "
@@ -405,8 +401,8 @@ class _Walker:
         framing = datafile.framing_of(t.dtype)
         if framing is None:
             raise self.refuse(path, f"a tensor of dtype {t.dtype}, which snapsvc cannot store")
-        if framing is not fdl.FDL and self.shard is not None:  # a rank's files: no data file
-            if sharded:
+        if framing is not fdl.FDL and self.sharded:  # a rank's files: no data file
+            if subclass:
                 raise self.refuse(path, f"a DTensor of dtype {t.dtype}, which is kept in the "
                                   "metadata, whole: pass .full_tensor()")
             return self.inline(t, path)
@@ -418,12 +414,10 @@ class _Walker:
         fdl.check_encodable(name, t, framing)
         # the live tensor, not detached: a memo's part finds it again by identity
         # (staging copies under no_grad)
-        staged = t if self.shard is None else self.shard(kind, name, t)
-        if staged is not None:   # None: another rank writes it
-            if kind in (STATE, STATE_STEP):
-                self.flat.rest.append((kind, name, staged))
-            else:
-                (self.flat.params if kind == "param" else self.flat.buffers).append((name, staged))
+        if kind in (STATE, STATE_STEP):
+            self.flat.rest.append((kind, name, t))
+        else:
+            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t))
         return TensorRef(name)
 
     def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
@@ -496,21 +490,24 @@ def _model_key(state: Mapping) -> str | None:
     return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
 
 
-def flatten(state: Mapping, memo: WalkMemo | None = None, *, shard: Shard | None = None) -> Flat:
+def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = False) -> Flat:
     """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
 
     Non-tensor leaves are copied into the tree now, and ``state_dict()`` is
     called now, so what is written is the state of this moment once the
-    tensors are staged. ``shard`` (one rank of a multi-rank checkpoint)
-    accepts DTensors and says what this rank stages of each tensor; the tree
-    names every tensor either way. ``memo``: the parts of the last walk that
+    tensors are staged. ``sharded`` (one rank of a multi-rank checkpoint)
+    accepts DTensors, as entries of their own, and keeps tensors of dtypes
+    the ``.fdl`` lacks in the tree (a rank has no data file); what each rank
+    stages of each entry is :mod:`snapsvc.distributed.shards`'s business.
+    ``memo``: the parts of the last walk that
     still hold are not walked again (see :class:`WalkMemo`); it keeps this
     walk's. Tensors are the live ones (not detached): copy them under ``no_grad``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
-    w = _Walker(_model_key(state), tensors_ok=True, shard=shard, memo=memo)
+    w = _Walker(_model_key(state), tensors_ok=True, sharded=sharded, memo=memo)
     w.flat.tree = w.container(state, ())
+    w.flat.checked = True
     if memo is not None:
         memo.parts = w.parts
     return w.flat
