@@ -8,7 +8,8 @@ Each rank is a spawned process on gloo (CPU) holding its own model of the
 named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
 tensors of 32 KiB), or its shards of one global model (``fsdp<N>M``: N MiB
 global of ``Linear(4096, 4096)`` layers, each ``fully_shard``-ed with FSDP2,
-so each rank holds N / world MiB of DTensor shards). A ``+adam`` suffix
+so each rank holds N / world MiB of DTensor shards; ``fsdp<N>M/<W>``: of
+``Linear(W, W)`` layers, more and smaller tensors). A ``+adam`` suffix
 (``fsdp64M+adam``) adds AdamW after one step: the checkpoint is then the
 state ``{"model", "optim"}`` (DCP: ``get_state_dict(model, optim)``), the
 optimizer's moments sharded as the parameters are. For each model the ranks
@@ -89,9 +90,11 @@ def build_model(spec: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if spec.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
-        layers = max(1, round((int(spec[4:-1]) << 20) / (4096 * 4097 * 4)))
+        size, _, width = spec[4:].partition("/")
+        width = int(width or 4096)
+        layers = max(1, round((int(size[:-1]) << 20) / (width * (width + 1) * 4)))
         torch.manual_seed(0)   # one global model: the same on every rank
-        m = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(layers)))
+        m = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
         for layer in m:
             fully_shard(layer)
         return fully_shard(m)
