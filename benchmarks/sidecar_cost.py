@@ -113,7 +113,8 @@ def write_section(mib: int, small: int, repeat: int, directory: str) -> None:
     files = writes.Files(None, None)
     enc = files.encoders(layout.to_msg(), memory)
     assert not isinstance(enc, str), enc
-    smalls = Layout(tuple(sp for sp in layout.specs if sp.name.startswith("s")), layout.nbytes, "")
+    smalls = Layout.from_specs((sp for sp in layout.specs if sp.name.startswith("s")),
+                               layout.nbytes, "")
     small = files.encoders(smalls.to_msg(), memory)
     small_bytes = sum(sp.nbytes for sp in smalls.specs)
     print(f"{data_bytes / 1e6:.0f} MB of tensor data, {len(layout.specs)} entries; "

@@ -10,6 +10,7 @@ grouped layout and the sidecar's encoder must write the very bytes
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 
@@ -279,15 +280,15 @@ def test_without_torchs_tensor_check_the_python_one_is_used(monkeypatch):
     assert not check([t])
 
 
-def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_path):
-    """Defence in depth behind submit's checks: a layout whose encoder cannot
-    be built (a name twice) fails the writes to that slot; the loop goes on."""
+@contextlib.contextmanager
+def _sidecar_with_slot(layout: "layout_mod.Layout"):
+    """The sidecar's loop in this process, holding slot 1 laid out as ``layout``:
+    (the loop, the slot's memory, the report pipe's reading end)."""
     import multiprocessing.connection as mpc
     import socket
 
-    from snapsvc.format import protocol
-
     from snapsvc.engine import worker as writer, writes
+    from snapsvc.format import protocol
     req_w, req_sock = socket.socketpair()
     req_r = mpc.Connection(os.dup(req_sock.fileno()))
     rep_r, rep_w = mpc.Pipe(duplex=False)
@@ -295,21 +296,60 @@ def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_pa
     try:
         side = writer._Sidecar(req_r, req_sock, rep_w, lock)
         side.later = writer._Later(lambda: writes.Files(None, None))
-        a = torch.ones(2)
-        layout = layout_mod.Layout.of([("a", a)], [("a", a)], "")
         flat = staging.allocate(layout)
         socket.send_fds(req_w, [b"\0"], [staging.slot_fd(flat)])  # what follows a SLOT message
         assert side.handle({"op": protocol.SLOT, "slot": 1, "layout": layout.to_msg()})
         assert protocol.unpack(rep_r.recv_bytes())["op"] == protocol.SLOT_OK
-        staging.claim_word(flat).fill_(5)
-        body = protocol.pack_value({"epoch": 0, "metrics": {}})
-        assert side.handle({"op": protocol.WRITE, "seq": 5, "slot": 1, "sent_at": 0.0,
-                            "path": str(tmp_path / "x.fdl"), "body": body})
-        done = protocol.unpack(rep_r.recv_bytes())
-        assert done["op"] == protocol.DONE and not done["ok"]
-        assert "cannot be written" in done["error"] and "appears twice" in done["error"]
-        assert os.listdir(tmp_path) == []
+        yield side, flat, rep_r
     finally:
         lock.close()
         for c in (req_r, req_sock, req_w, rep_r, rep_w):
             c.close()
+
+
+def _write(side, flat, rep_r, seq: int, path: str, **extra) -> dict:
+    """One WRITE of slot 1 through the loop; its DONE report."""
+    from snapsvc.engine.plan import pack_body
+    from snapsvc.format import protocol
+    staging.claim_word(flat).fill_(seq)
+    body = pack_body(path, 0, True, epoch=0, metrics={})
+    assert side.handle({"op": protocol.WRITE, "seq": seq, "slot": 1, "sent_at": 0.0,
+                        "path": path, "body": body, **extra})
+    done = protocol.unpack(rep_r.recv_bytes())
+    assert done["op"] == protocol.DONE
+    return done
+
+
+def test_a_slot_the_sidecar_cannot_write_fails_its_writes_not_the_sidecar(tmp_path):
+    """Defence in depth behind submit's checks: a layout whose encoder cannot
+    be built (a name twice) fails the writes to that slot; the loop goes on."""
+    a = torch.ones(2)
+    with _sidecar_with_slot(layout_mod.Layout.of([("a", a)], [("a", a)], "")) as harness:
+        done = _write(*harness, 5, str(tmp_path / "x.fdl"))
+        assert not done["ok"]
+        assert "cannot be written" in done["error"] and "appears twice" in done["error"]
+        assert os.listdir(tmp_path) == []
+
+
+def test_a_renamed_write_gets_new_headers_over_the_same_bytes(tmp_path):
+    """Names that change over one placement travel alone (``renamed``): the file
+    has the new names over the slot's bytes; names that do not match the slot's
+    entries fail that write, and the loop goes on."""
+    a, b = torch.full((2, 3), 1.5), torch.arange(4.0)
+    layout = layout_mod.Layout.of([("a", a), ("b", b)], [], "")
+    with _sidecar_with_slot(layout) as (side, flat, rep_r):
+        for view, t in zip(staging.views(flat, layout), (a, b)):
+            view.copy_(t)
+        renamed = layout_mod.Layout.placed(["c", "d"], tuple((s.kind, s.shape, s.dtype)
+                                                              for s in layout.specs), "")
+        assert renamed.placed_like(layout)
+        done = _write(side, flat, rep_r, 5, str(tmp_path / "x.fdl"),
+                      renamed=renamed.renamed_msg())
+        assert done["ok"], done
+        got = snapsvc.read_checkpoint(tmp_path / "x.fdl").entries
+        assert list(got) == ["c", "d"] and torch.equal(got["c"], a) and torch.equal(got["d"], b)
+        done = _write(side, flat, rep_r, 6, str(tmp_path / "y.fdl"),
+                      renamed={"hash": "", "names": ["only"]})
+        assert not done["ok"] and "1 names for 2 entries" in done["error"], done
+        assert _write(side, flat, rep_r, 7, str(tmp_path / "z.fdl"), layout=layout.to_msg())["ok"]
+        assert list(snapsvc.read_checkpoint(tmp_path / "z.fdl").entries) == ["a", "b"]

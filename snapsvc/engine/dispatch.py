@@ -8,7 +8,8 @@
       | blocking: send now;  overlap: the copier thread finishes the copy,
       v           then sends                                    (send below)
     send: claim[k] = seq under the claim lock, then {WRITE seq, k, path, body,
-          and the slot's layout if the sidecar last heard another for it}
+          and the slot's layout if the sidecar last heard another for it: only
+          its names where that one placed every tensor where this one does}
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ class Dispatcher:
                 with lock:
                     slot.claim.fill_(seq)
                 told = (self.sidecar.gen, slot.layout)
-                if slot.told is None or slot.told[0] != told[0] or slot.told[1] is not told[1]:
-                    msg = {**msg, "layout": slot.layout.to_msg()}  # names changed: new headers
+                if slot.told is None or slot.told[0] != told[0]:
+                    msg = {**msg, "layout": slot.layout.to_msg()}
+                elif slot.told[1] is not told[1]:   # new headers, the tensor bytes in place
+                    msg = {**msg, **({"renamed": slot.layout.renamed_msg()}
+                                     if slot.told[1].placed_like(slot.layout)
+                                     else {"layout": slot.layout.to_msg()})}
                 sent = self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
                                                        sent_at=time.monotonic(), **msg))
                 if sent:

@@ -136,8 +136,9 @@ class Pool(list):
         """Stage ``layout`` from now on (the caller lays out the idle slots)."""
         self.layout = layout
         # what the buffer names add to a metadata file (plan.pack_body's room)
-        self.buffer_bytes = sum(len(s.name.encode("utf-8")) + 8 for s in layout.specs
-                                if s.kind == BUFFER)
+        self.buffer_bytes = sum(len(name.encode("utf-8")) + 8
+                                for name, place in zip(layout.names, layout.places)
+                                if place[4] == BUFFER)
 
     def take(self, slot: Slot) -> None:
         """Lay ``slot``, reserved by the caller, out for this pool's layout, if it

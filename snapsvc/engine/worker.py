@@ -97,8 +97,9 @@ class _Slot:
     """A slot as the sidecar holds it: its mapping (an arena: any layout that
     fits), the layout it holds now, and encoders for the last few layouts.
 
-    A WRITE whose layout differs from the last one the slot held carries it
-    (names change, the tensor bytes stay where they are). Encoders are built
+    A WRITE whose layout differs from the last one the slot held carries it, or
+    where it places every tensor as that one did, only its names and hash (names
+    change, the tensor bytes stay where they are). Encoders are built
     by :mod:`snapsvc.engine.writes` once it is imported, at most once per kept
     layout.
     """
@@ -120,6 +121,10 @@ class _Slot:
                 return
         self.kept.append([layout, None])
         del self.kept[:-self.KEEP]
+
+    def rename(self, renamed: dict[str, Any]) -> None:
+        """Lay the arena out as the layout held now, under other names (and hash)."""
+        self.use({**self.kept[-1][0], **renamed})
 
     def encoders(self, files: Any) -> Any:
         """The encoders of the layout held now (built by ``files``), or why it cannot be written."""
@@ -178,8 +183,11 @@ class _Sidecar:
         seq, path = msg["seq"], msg["path"]
         base = {"seq": seq, "path": path, "queue_s": started - msg["sent_at"]}
         slot = self.slots.get(msg["slot"])
-        if slot is not None and "layout" in msg:  # before the claim: even a superseded
-            slot.use(msg["layout"])                # write tells what the slot holds now
+        if slot is not None:   # before the claim: even a superseded write tells what the
+            if "layout" in msg:   # slot holds now
+                slot.use(msg["layout"])
+            elif "renamed" in msg:
+                slot.rename(msg["renamed"])
         why = "was never registered with this writer" if slot is None else slot.encoders(files)
         if isinstance(why, str):  # a trainer bug, reported rather than fatal to every later write
             return {**base, "ok": False, "errno": None, "filename": path,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from .framing import DATA, FDL, Framing, Span
@@ -91,15 +91,29 @@ _ITEMSIZE = {name: size for f in (FDL, DATA) for name, size in f.tags.values()}
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor of a snapshot lives inside a slot."""
+    """Where each tensor of a snapshot lives inside a slot: its entries' names, in
+    file order, and their places (a :class:`TensorSpec` less the name). A layout
+    of other names over one placement shares its ``places``: a checkpoint whose
+    names change at every save (Lightning's ``best_k_models``) is placed once,
+    and the sidecar hears only the new names."""
 
-    specs: tuple[TensorSpec, ...]
+    names: tuple[str, ...]
+    places: tuple[tuple, ...]   # per entry: (shape, dtype, offset, nbytes, kind)
     nbytes: int
     structural_hash: str
-    # the placement :meth:`placed` shares between layouts of one geometry (None
-    # for one from a message): comparing it is how a new layout of other names
-    # is seen to leave every tensor where it was
-    places: tuple | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[TensorSpec], nbytes: int, structural_hash: str
+                   ) -> "Layout":
+        specs = tuple(specs)
+        return cls(tuple(s.name for s in specs), tuple(s[1:] for s in specs), nbytes,
+                   structural_hash)
+
+    @functools.cached_property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """Each entry in file order (made when first asked: a layout that only renames
+        a slot's entries is never asked)."""
+        return tuple(TensorSpec(name, *place) for name, place in zip(self.names, self.places))
 
     @classmethod
     def of(cls, params: Iterable[tuple[str, Any]], buffers: Iterable[tuple[str, Any]],
@@ -125,14 +139,12 @@ class Layout:
         checkpoint whose names change at every save (Lightning's ``best_k_models``)
         is placed once."""
         places, nbytes = _place(geometry)
-        specs = tuple(TensorSpec(name, *place) for name, place in zip(names, places))
-        return cls(specs, nbytes, structural_hash, places)
+        return cls(tuple(names), places, nbytes, structural_hash)
 
     def placed_like(self, other: "Layout") -> bool:
         """Whether ``other`` puts every tensor where this one does, names aside."""
-        if self.places is not None and self.places is other.places:
-            return True   # the usual case: one geometry, placed once
-        return [s[1:] for s in self.specs] == [s[1:] for s in other.specs]
+        # the usual case: one geometry, placed once
+        return self.places is other.places or self.places == other.places
 
     @functools.cached_property
     def groups(self) -> tuple[Group, ...]:
@@ -145,20 +157,28 @@ class Layout:
         return tuple(out)
 
     def to_msg(self) -> dict[str, Any]:
-        return {"hash": self.structural_hash, "nbytes": self.nbytes,
-                "specs": [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes, s.kind]
-                          for s in self.specs]}
+        return {"hash": self.structural_hash, "nbytes": self.nbytes, "names": list(self.names),
+                "places": [[list(shape), dtype, offset, n, kind]
+                           for shape, dtype, offset, n, kind in self.places]}
+
+    def renamed_msg(self) -> dict[str, Any]:
+        """What a sidecar that holds a layout placed like this one needs: names, hash."""
+        return {"hash": self.structural_hash, "names": list(self.names)}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> "Layout":
-        """A layout from :meth:`to_msg`; ``ValueError`` for a dtype neither file stores."""
-        specs = tuple(TensorSpec(name, tuple(shape), dtype, off, n, kind)
-                      for name, shape, dtype, off, n, kind in msg["specs"])
-        for s in specs:
-            if s.dtype not in _ITEMSIZE:
-                raise ValueError(f"entry {s.name!r}: dtype {s.dtype!r} is stored by neither "
+        """A layout from :meth:`to_msg`; ``ValueError`` for a dtype neither file stores,
+        or names that do not match the places."""
+        names, places = tuple(msg["names"]), msg["places"]
+        if len(names) != len(places):
+            raise ValueError(f"a layout of {len(names)} names for {len(places)} entries")
+        for name, (_, dtype, _, _, _) in zip(names, places):
+            if dtype not in _ITEMSIZE:
+                raise ValueError(f"entry {name!r}: dtype {dtype!r} is stored by neither "
                                  f"file ({FDL.dtype_names}; {DATA.dtype_names})")
-        return cls(specs, msg["nbytes"], msg["hash"])
+        return cls(names, tuple((tuple(shape), dtype, offset, n, kind)
+                                for shape, dtype, offset, n, kind in places),
+                   msg["nbytes"], msg["hash"])
 
     def spans(self, memory: Any) -> list[Span]:
         """Each spec, in layout order, as the framing's encoder takes it:
