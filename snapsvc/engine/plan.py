@@ -53,7 +53,8 @@ class Request:
 def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
              optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
              state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
-             structural_hash: str | None = None, checked: bool = False) -> Request:
+             structural_hash: str | None = None, checked: bool = False,
+             geometry: tuple[list, list, list] | None = None) -> Request:
     model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]
     if not checked:  # a state's walk ran the same check, naming key paths
         # Refused whatever pool a same-shaped snapshot made before; the optimizer
@@ -65,12 +66,15 @@ def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, to
     h = layout_hash(params, buffers) if structural_hash is None else structural_hash
     # the hash too: a model's tensors .fdl cannot hold (a bool buffer) count in
     # its hash, so two models may share every entry and differ in the header
-    kinds = [*(PARAM for _ in params), *(BUFFER for _ in buffers), *(k for k, _, _ in state),
-             *(OPTIM for _ in optim)]
     names = tuple(n for n, _ in pairs)
-    geometry = tuple((k, t.shape, t.dtype) for k, (_, t) in zip(kinds, pairs))
-    key = (pin, names, geometry, h)
-    return Request([t for _, t in pairs], key, lambda: Layout.placed(names, geometry, h), pin)
+    if geometry is not None and not optim:   # the walk's, of these entries
+        geo = tuple(geometry[0] + geometry[1] + geometry[2])
+    else:
+        kinds = [*(PARAM for _ in params), *(BUFFER for _ in buffers),
+                 *(k for k, _, _ in state), *(OPTIM for _ in optim)]
+        geo = tuple((k, t.shape, t.dtype) for k, (_, t) in zip(kinds, pairs))
+    key = (pin, names, geo, h)
+    return Request([t for _, t in pairs], key, lambda: Layout.placed(names, geo, h), pin)
 
 
 def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,
@@ -99,7 +103,8 @@ def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,
         flat = obj if isinstance(obj, Flat) else flatten(obj, memo)
         req = _entries(flat.params, flat.buffers, state=flat.rest,
                        structural_hash=flat.structural_hash,
-                       checked=flat.checked)  # a walk checked them, naming key paths
+                       checked=flat.checked,  # a walk checked them, naming key paths
+                       geometry=flat.geometry)
         req.tree, req.plain = flat.tree, not flat.kinds
         return req
     raise TypeError(f"submit() takes an nn.Module, a state Mapping or a ModelSnapshot, "

@@ -133,6 +133,7 @@ class _Part:
     # the parts walked inside it (an optimizer state's per-parameter ones): kept
     # with it, so a change in one parameter's state later re-walks only that one
     inner: dict[tuple, "_Part"]
+    geometry: tuple[list, list, list]  # of params, buffers, rest (see Flat.geometry)
 
 
 class WalkMemo:
@@ -183,6 +184,10 @@ class Flat:
     structural_hash: str = ""
     kinds: bool = False  # the tree holds a Counter, OrderedDict or defaultdict
     checked: bool = False  # its entries passed the encoders' checks (flatten's do)
+    # (kind, shape, dtype) of each of params, buffers and rest as the walk saw them (a
+    # memo's part: as its guard checked them just now), so a submit need not ask each
+    # tensor again; None where unknown
+    geometry: tuple[list, list, list] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Copy sources, in the layout's order."""
@@ -233,7 +238,7 @@ class _Walker:
         self.tensors_ok = tensors_ok
         self.sharded = sharded
         self.root = root
-        self.flat = Flat()
+        self.flat = Flat(geometry=([], [], []))
         self.names: dict[str, tuple] = {}
         self.open: set[int] = set()  # containers on the current path: a cycle revisits one
         self.memo = memo
@@ -254,6 +259,8 @@ class _Walker:
         self.flat.params += part.params
         self.flat.buffers += part.buffers
         self.flat.rest += part.rest
+        for mine, its in zip(self.flat.geometry, part.geometry):
+            mine += its
         if part.structural_hash is not None:
             self.flat.structural_hash = part.structural_hash
         self.parts[key] = part
@@ -277,8 +284,9 @@ class _Walker:
         names = {n: self.names[n] for n in [*(n for n, _ in params), *(n for n, _ in buffers),
                                             *(n for _, n, _ in rest)]}
         inner = dict(list(self.parts.items())[marks[3]:])
+        geometry = tuple(g[m:] for g, m in zip(flat.geometry, marks))
         self.parts[key] = _Part(what, list(held), self.memo.guard(tensors), picks, node,
-                                params, buffers, rest, names, structural_hash, inner)
+                                params, buffers, rest, names, structural_hash, inner, geometry)
 
     def show(self, path: tuple) -> str:
         return _show(path, self.root)
@@ -414,10 +422,10 @@ class _Walker:
         fdl.check_encodable(name, t, framing)
         # the live tensor, not detached: a memo's part finds it again by identity
         # (staging copies under no_grad)
-        if kind in (STATE, STATE_STEP):
-            self.flat.rest.append((kind, name, t))
-        else:
-            (self.flat.params if kind == "param" else self.flat.buffers).append((name, t))
+        i = 2 if kind in (STATE, STATE_STEP) else 0 if kind == "param" else 1
+        (self.flat.params, self.flat.buffers, self.flat.rest)[i].append(
+            (kind, name, t) if i == 2 else (name, t))
+        self.flat.geometry[i].append((kind, t.shape, t.dtype))
         return TensorRef(name)
 
     def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
