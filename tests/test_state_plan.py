@@ -245,3 +245,50 @@ def test_values_of_this_moment_are_read_again_through_a_memo():
     flat = tree.flatten({"model": model, "counts": counts}, memo)
     assert flat.tree["model"].value["_extra_state"] == {"seen": 7}
     assert type(flat.tree["counts"]) is type(counts)
+
+
+def _detached(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> dict:
+    """A checkpoint as Lightning's holds the model: ``state_dict()``, whose tensors are
+    detached anew at every call."""
+    return {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+            "loops": {"step": i}}
+
+
+def test_a_state_dict_detached_anew_over_the_same_memory_keeps_its_plan(walked):
+    model, opt = _setup()
+    memo = tree.WalkMemo(pools.tensor_guard)
+    tree.flatten(_detached(model, opt, 0), memo)
+    model(torch.randn(5, 3)).square().mean().backward()
+    opt.step()  # values change in place: the plan holds
+    walked.clear()
+    state = _detached(model, opt, 1)
+    flat = tree.flatten(state, memo)
+    assert walked == [], walked
+    fresh = tree.flatten(state)
+    assert flat.tree == fresh.tree
+    for x, y in ((flat.params, fresh.params), (flat.buffers, fresh.buffers),
+                 (flat.rest, fresh.rest)):   # the memo's tensors: over the same memory
+        assert [e[:-1] for e in x] == [e[:-1] for e in y]
+        assert [e[-1].data_ptr() for e in x] == [e[-1].data_ptr() for e in y]
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_every_change_reaches_the_file_through_a_detached_state_dict(tmp_path, guard,
+                                                                      monkeypatch):
+    """Through the sidecar, each module change (other memory, freed and reused
+    memory, a cast, a view...) made between saves of a detached ``state_dict()``:
+    the file equals the state at its submit."""
+    import copy
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model, opt = _setup()
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(_detached(model, opt, 0), "d0.fdl").result(timeout=60)
+        for i, mutate in enumerate(MUTATIONS, 1):
+            mutate(model[2].weight)
+            state = _detached(model, opt, i)
+            want = {"state_dict": type(state["state_dict"])(
+                        (k, v.clone()) for k, v in state["state_dict"].items()),
+                    "optimizer_states": copy.deepcopy(state["optimizer_states"]),
+                    "loops": {"step": i}}
+            w.submit(state, f"d{i}.fdl").result(timeout=60)
+            assert_same(snapsvc.load(tmp_path / f"d{i}.fdl"), want, mutate.__name__)

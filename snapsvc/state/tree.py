@@ -224,6 +224,21 @@ def _leaves(v: Mapping, kind: str | None) -> tuple[Any, list] | None:
             tuple((tuple(d), tuple(map(type, d))) for d in values)), held
 
 
+def _same(then: list, now: list) -> bool:
+    """Whether ``now`` holds what a memo's part held (``then``): the same objects, or
+    plain tensors over the same memory. ``state_dict()`` detaches every tensor anew
+    at each call (Lightning's checkpoint holds the model's): a new tensor at the
+    address of one the part keeps alive is over the same memory, and the part's
+    guard then checks its shape, strides and dtype."""
+    if len(then) != len(now):
+        return False
+    if all(map(operator.is_, then, now)):
+        return True
+    ptr = torch.Tensor.data_ptr
+    return all(a is b or type(a) is torch.Tensor and type(b) is torch.Tensor
+               and ptr(a) == ptr(b) for a, b in zip(then, now))
+
+
 def _has_inline(node: dict) -> bool:
     """Whether a mapping's tree node (of :func:`_leaves`'s shape) holds an inline tensor."""
     return any(type(x) is InlineTensor
@@ -249,7 +264,7 @@ class _Walker:
         same as then, its tensors unchanged and its names still free; else None."""
         part = self.memo.parts.get(key) if self.memo is not None else None
         if part is None or part.what is not what and part.what != what \
-                or len(part.held) != len(held) or not all(map(operator.is_, part.held, held)):
+                or not _same(part.held, held):
             return None
         if not part.check([held[i] for i in part.picks]) or not self.names.keys().isdisjoint(
                 part.names):
@@ -355,7 +370,8 @@ class _Walker:
                     raise self.refuse(path, str(e)) from None
                 self.flat.kinds |= kind is not None
                 shape = _leaves(v, kind) if self.memo is not None else None
-                if shape is not None:
+                # plain values alone (a loop's counters): checking them costs their walk
+                if shape is not None and any(isinstance(x, torch.Tensor) for x in shape[1]):
                     key, (what, held) = ("map", path, step), shape
                     node = self.reuse(key, what, held)
                     if node is not None:
