@@ -17,6 +17,7 @@ plain model.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -159,7 +160,8 @@ def memo_checks(tmp: str) -> dict:
     from snapsvc.distributed.shards import ShardMemo, _state_plan
     model, opt, sched = make_run(0)
     train(model, opt, sched, 1)
-    state = {"model": model, "optim": opt}
+    # an OrderedDict, as a model's state_dict() is: its digest packs as the metadata does
+    state = {"model": model, "optim": opt, "note": collections.OrderedDict(seen=3)}
     out = {}
     with snapsvc.DistributedSnapshotWriter(os.path.join(tmp, "memo"), coord_timeout=60) as w:
         for step, change in enumerate(CHANGES, 1):

@@ -292,3 +292,15 @@ def test_every_change_reaches_the_file_through_a_detached_state_dict(tmp_path, g
                     "loops": {"step": i}}
             w.submit(state, f"d{i}.fdl").result(timeout=60)
             assert_same(snapsvc.load(tmp_path / f"d{i}.fdl"), want, mutate.__name__)
+
+
+def test_a_module_that_stops_keeping_its_own_names_is_walked_again():
+    """The only module of a state keeps its own names; beside a second one it
+    does not (its entries are then named by key path): its part is not reused."""
+    model, _ = _setup()
+    memo = tree.WalkMemo(pools.tensor_guard)
+    tree.flatten({"net": model}, memo)
+    state = {"net": model, "ema": nn.Linear(2, 2)}
+    flat = tree.flatten(state, memo)
+    assert flat.params == [] and flat.rest[0][1] == "net/0.weight", flat.rest[0]
+    _same_flat(flat, tree.flatten(state))

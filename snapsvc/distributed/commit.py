@@ -31,7 +31,7 @@ from ..engine.handles import WriteReport
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..files.meta import read_meta
-from ..format import fdl, protocol
+from ..format import fdl, kinds, protocol
 from ..state.tree import outline
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item, _settle
@@ -143,9 +143,15 @@ class Coordinator:
             out["error"] = f"submit() raised {_reason(item.error)}"
             return out, None
         if item.tree is not None:   # here, not in submit(): off the training thread
-            item.outline = outline(item.tree)
-            out["digests"] = item.digests = (
-                _digest("\n".join(item.outline).encode()), _digest(protocol.pack_value(item.tree)))
+            try:
+                item.outline = outline(item.tree)
+                # as the metadata packs it: OrderedDicts and the like split off (kinds)
+                out["digests"] = item.digests = (
+                    _digest("\n".join(item.outline).encode()),
+                    _digest(protocol.pack_value(kinds.split({"state": item.tree}))))
+            except Exception as e:   # a bug if it happens: this step fails, not the writer
+                out["error"] = f"describing its state: {_reason(e)}"
+                return out, None
         try:
             report = item.handle.local.result(timeout=self.write_timeout)
         except TimeoutError:

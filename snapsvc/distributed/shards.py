@@ -28,6 +28,9 @@ __all__ = ["SHARDS_KEY", "ShardMemo"]
 
 
 SHARDS_KEY = "snapsvc_shards"
+# A DTensor's local tensor itself: under no_grad ``to_local()`` returns it too,
+# except for a Parameter, where it is a new view at every call
+_LOCAL = operator.attrgetter("_local_tensor")
 _DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
 
 
@@ -89,7 +92,7 @@ def _piece(name: str, kind: str, t: torch.Tensor, rank: int
         b = _block_of(t, name)
         if b is None or not b.writes:
             return None
-        local = t.to_local()   # under no_grad: its local tensor, no autograd view
+        local = _LOCAL(t)   # the local tensor itself, staged live as any tensor is
         if list(local.shape) != b.lengths:
             raise ValueError(f"{name!r}: local shard has shape {list(local.shape)}, its placements "
                              f"{b.placements} on mesh {b.mesh} give {b.lengths}")
@@ -142,70 +145,69 @@ class _Pieces(NamedTuple):
     sources: list[torch.Tensor]           # each one's local tensor then (a plain tensor: itself)
     pieces: list[tuple[torch.Tensor, dict[str, Any]] | None]   # (piece, record), or None
     dtensors: list[Any]                   # the DTensors this rank stages a piece of,
-    dsources: list[torch.Tensor]          # their local tensors then,
-    dpieces: list[torch.Tensor]           # and those pieces
-    staged: tuple[list, list, list, list]  # params, buffers, rest (as Flat has them), records
+    dsources: list[torch.Tensor]          # and their local tensors then (those pieces)
+    staged: tuple[list, ...]   # params, buffers, rest, their geometry (as Flat has them), records
 
 
-_LOCAL = operator.attrgetter("_local_tensor")
-_NONE = _Pieces([], [], [], [], [], [], ([], [], [], []))
+_NONE = _Pieces([], [], [], [], [], ([], [], [], [], [], [], []))
 
 
 class ShardMemo:
     """What the last state submit of a rank found: its walk (:class:`WalkMemo`),
     and per entry its piece. An entry the walk reused (the same tuple: the same
     tensor object, its shape, strides and dtype checked) keeps its piece and
-    record while a DTensor's local tensor is still the same object at the same
-    address (FSDP2 puts a new one in the same DTensor on ``load_state_dict()``
-    and ``.to()``; a Parameter's ``to_local()`` is a new view at every call).
-    When every entry is the last walk's, that is checked in a few C-level passes."""
+    record while a DTensor's local tensor is still the same object (FSDP2 puts a
+    new one in the same DTensor on ``load_state_dict()`` and ``.to()``). A piece
+    is that local tensor itself, copied live: one given other memory in place
+    (``set_``) is copied from there. When every entry is the last walk's, that
+    is checked in a few C-level passes."""
 
     def __init__(self) -> None:
         self.walk = WalkMemo(tensor_guard)
         self.last = _NONE   # replaced whole: a submit from another thread sees one walk's
 
-    def pieces(self, flat: Flat, rank: int) -> tuple[list, list, list, list]:
-        """This rank's pieces of ``flat``'s params, buffers and rest, and their records."""
+    def pieces(self, flat: Flat, rank: int) -> tuple[Flat, list[dict[str, Any]]]:
+        """This rank's pieces of ``flat``'s tensors, as a Flat of its tree, and their records.
+        A piece has its DTensor's name, dtype and rank: checked by the walk."""
         last, is_ = self.last, operator.is_
-        ptr = torch.Tensor.data_ptr
         entries = [*flat.params, *flat.buffers, *flat.rest]
         if len(entries) == len(last.entries) and all(map(is_, entries, last.entries)) \
-                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)) \
-                and list(map(ptr, last.dpieces)) == list(map(ptr, last.dsources)):
-            return tuple(map(list, last.staged))  # type: ignore[return-value]
+                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)):
+            return self._flat(flat, last)
         index = {id(e): i for i, e in enumerate(last.entries)}
         dtensor = _dtensor_type() or ()   # loaded: the state holds one
-        now = _Pieces(entries, [], [], [], [], [], ([], [], [], []))
-        params, buffers, rest, records = now.staged
+        now = _Pieces(entries, [], [], [], [], ([], [], [], [], [], [], []))
+        *staged, records = now.staged
         n_params, n_buffers = len(flat.params), len(flat.params) + len(flat.buffers)
         for i, entry in enumerate(entries):
             name, t = entry[-2:]
+            kind, to = ("param", 0) if i < n_params else ("buffer", 1) if i < n_buffers \
+                else (entry[0], 2)
             is_dtensor = isinstance(t, dtensor)
-            source = t._local_tensor if is_dtensor else t
+            source = _LOCAL(t) if is_dtensor else t
             j = index.get(id(entry))
-            if j is not None and last.entries[j] is entry and last.sources[j] is source \
-                    and (last.pieces[j] is None or ptr(last.pieces[j][0]) == ptr(source)):
+            if j is not None and last.entries[j] is entry and last.sources[j] is source:
                 piece = last.pieces[j]
             else:
-                kind = "param" if i < n_params else "buffer" if i < n_buffers else entry[0]
                 piece = _piece(name, kind, t, rank)
             now.sources.append(source)
             now.pieces.append(piece)
             if piece is None:
                 continue
-            if i < n_params:
-                params.append((name, piece[0]))
-            elif i < n_buffers:
-                buffers.append((name, piece[0]))
-            else:
-                rest.append((entry[0], name, piece[0]))
+            staged[to].append((kind, name, piece[0]) if to == 2 else (name, piece[0]))
+            staged[to + 3].append((kind, piece[0].shape, piece[0].dtype))
             records.append(piece[1])
             if is_dtensor:
                 now.dtensors.append(t)
                 now.dsources.append(source)
-                now.dpieces.append(piece[0])
         self.last = now
-        return tuple(map(list, now.staged))  # type: ignore[return-value]
+        return self._flat(flat, now)
+
+    @staticmethod
+    def _flat(flat: Flat, pieces: _Pieces) -> tuple[Flat, list[dict[str, Any]]]:
+        params, buffers, rest, *geometry, records = map(list, pieces.staged)
+        return Flat(params, buffers, rest, flat.tree, flat.structural_hash, flat.kinds,
+                    flat.checked, tuple(geometry)), records
 
 
 @torch.no_grad()
@@ -222,9 +224,7 @@ def _state_plan(state: Mapping, rank: int, memo: ShardMemo
     no module of the state), so a restore maps its state by name.
     """
     flat = flatten(state, memo.walk, sharded=True)
-    params, buffers, rest, records = memo.pieces(flat, rank)
-    # a piece has its DTensor's name, dtype and rank: checked by the walk
-    mine = Flat(params, buffers, rest, flat.tree, flat.structural_hash, flat.kinds, flat.checked)
+    mine, records = memo.pieces(flat, rank)
     pnames = param_names(state)
     optimizers = {}
     for where, opt in find(state, torch.optim.Optimizer):

@@ -219,6 +219,7 @@ class DistributedSnapshotWriter:
             return
         self._closed = True
         _live.discard(self)
+        self._shard_memo = ShardMemo()   # lets go of the last state's tensors
         deadline = None if timeout is None else time.monotonic() + timeout
         ended = self._coord.stop(timeout)
         if self._uploads is not None:   # an earlier run's steps reach the sidecar first

@@ -148,9 +148,11 @@ class Pool(list):
 
 
 def _meta(tensors: list[torch.Tensor]) -> tuple[list, ...]:
+    # conj and neg views too: over the same memory, at the same address, other values
     return (list(map(operator.attrgetter("shape"), tensors)), list(map(torch.Tensor.stride, tensors)),
             list(map(operator.attrgetter("dtype"), tensors)),
-            list(map(operator.attrgetter("device"), tensors)))
+            list(map(operator.attrgetter("device"), tensors)),
+            list(map(torch.Tensor.is_conj, tensors)), list(map(torch.Tensor.is_neg, tensors)))
 
 
 def tensor_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:

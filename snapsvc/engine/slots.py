@@ -43,9 +43,9 @@ class SlotBroker:
             for slot in todo:
                 slot.registering = gen  # another thread submitting it now waits instead
                 slot.told = (gen, slot.layout)  # the SLOT message carries it
-        for slot in todo:
+        for slot in todo:   # exactly the layout told: a WRITE may send only new names
             if not sidecar.send(protocol.pack(protocol.SLOT, slot=slot.id,
-                                              layout=slot.layout.to_msg()), slot_fd(slot.flat)):
+                                              layout=slot.told[1].to_msg()), slot_fd(slot.flat)):
                 sidecar.join_reader(5)  # it sees the death and sets broken
                 break
         # Wait until the writer has mapped them: until then their fds live only

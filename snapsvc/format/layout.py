@@ -111,8 +111,9 @@ class Layout:
 
     @functools.cached_property
     def specs(self) -> tuple[TensorSpec, ...]:
-        """Each entry in file order (made when first asked: a layout that only renames
-        a slot's entries is never asked)."""
+        """Each entry in file order, made when first asked: a submit that only renames
+        a slot's entries does not ask (its copy plan, incremental mode and the
+        sidecar's encoders do)."""
         return tuple(TensorSpec(name, *place) for name, place in zip(self.names, self.places))
 
     @classmethod

@@ -139,11 +139,12 @@ class _Part:
 class WalkMemo:
     """What the last :func:`flatten` found, by key path: modules (same
     parameter and buffer objects, as :func:`walk` lists them) and mappings
-    whose values are all tensors or plain scalars (an optimizer's per-parameter
-    state): the same objects, whose tensors still have the shapes, strides,
-    dtypes and devices they had, are not walked again. Only the parts of the
-    last walk are kept. ``guard(tensors)`` makes that check (see
-    :func:`snapsvc.engine.pools.tensor_guard`)."""
+    of tensors and plain scalars (an optimizer's per-parameter state, a
+    ``state_dict()``): the same objects, or plain tensors over the same memory
+    (see :func:`_same`), whose tensors still have the shapes, strides, dtypes
+    and devices they had, are not walked again; the part's tensors are copied.
+    Only the parts of the last walk are kept. ``guard(tensors)`` makes that
+    check (see :func:`snapsvc.engine.pools.tensor_guard`)."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
@@ -436,8 +437,8 @@ class _Walker:
                                 f"{self.show(self.names[name])} (the model keeps its own names)")
         self.names[name] = path
         fdl.check_encodable(name, t, framing)
-        # the live tensor, not detached: a memo's part finds it again by identity
-        # (staging copies under no_grad)
+        # the live tensor, not detached: a memo's part finds it again by identity, or
+        # by address (staging copies under no_grad)
         i = 2 if kind in (STATE, STATE_STEP) else 0 if kind == "param" else 1
         (self.flat.params, self.flat.buffers, self.flat.rest)[i].append(
             (kind, name, t) if i == 2 else (name, t))
@@ -453,7 +454,8 @@ class _Walker:
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
         if self.memo is None:
             return self.walk_module(m, path)
-        key, held = ("module", path), walk(m)
+        own = len(path) == 1 and path[0] == self.model_key   # keeps its own names
+        key, held = ("module", path, own), walk(m)
         node = self.reuse(key, m, held)
         if node is not None:
             return node
@@ -461,7 +463,6 @@ class _Walker:
         node = self.walk_module(m, path)
         # tensors only: an inline tensor or an extra state is a value of this moment
         if all(type(x) is TensorRef for x in node.value.values()):
-            own = len(path) == 1 and path[0] == self.model_key
             self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
         return node
 
@@ -525,7 +526,8 @@ def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = Fal
     stages of each entry is :mod:`snapsvc.distributed.shards`'s business.
     ``memo``: the parts of the last walk that
     still hold are not walked again (see :class:`WalkMemo`); it keeps this
-    walk's. Tensors are the live ones (not detached): copy them under ``no_grad``.
+    walk's. Tensors are the live ones (not detached), or a memo's part's over the
+    same memory: copy them under ``no_grad``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
@@ -601,7 +603,9 @@ def outline(tree: Any) -> list[str]:
         if t is ObjectNode:
             out.append(f"{_show(path)}: {node.kind}")
             visit(node.value, path)
-        elif t is dict:
+        elif isinstance(node, dict):
+            if t is not dict:   # an OrderedDict, Counter or defaultdict
+                out.append(f"{_show(path)}: {t.__name__}")
             for k, v in node.items():
                 visit(v, path + (k,))
         elif t in (list, tuple):
