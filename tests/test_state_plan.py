@@ -86,12 +86,24 @@ def _state(model, opt, i):
             "best_k": {f"epoch={i}.ckpt": torch.tensor(float(i))}}
 
 
-def _same_flat(a: tree.Flat, b: tree.Flat) -> None:
+def _detached(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> dict:
+    """A checkpoint as Lightning's holds the model: ``state_dict()``, whose tensors are
+    detached anew at every call."""
+    return {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+            "loops": {"step": i}}
+
+
+def _same_flat(a: tree.Flat, b: tree.Flat, by_address: bool = False) -> None:
+    """``b`` walked afresh: ``a`` has the same tree and entries, over the same tensors
+    (``by_address``: over the same memory, as a memo keeps a detached state_dict's)."""
     assert a.tree == b.tree and a.structural_hash == b.structural_hash
     assert a.kinds == b.kinds and _kinds(a.tree) == _kinds(b.tree)
     for x, y in ((a.params, b.params), (a.buffers, b.buffers), (a.rest, b.rest)):
         assert [e[:-1] for e in x] == [e[:-1] for e in y]
-        assert all(e[-1] is f[-1] for e, f in zip(x, y))
+        if by_address:
+            assert [e[-1].data_ptr() for e in x] == [f[-1].data_ptr() for f in y]
+        else:
+            assert all(e[-1] is f[-1] for e, f in zip(x, y))
 
 
 def _kinds(node) -> list:
@@ -149,17 +161,19 @@ def walked(monkeypatch) -> list[tuple]:
     return out
 
 
-def test_unchanged_modules_and_optimizer_state_are_not_walked_again(walked):
+@pytest.mark.parametrize("make, new", [(_state, [("best_k", "epoch=1.ckpt")]), (_detached, [])],
+                         ids=["modules", "a state_dict detached anew"])
+def test_unchanged_modules_and_optimizer_state_are_not_walked_again(walked, make, new):
     model, opt = _setup()
     memo = tree.WalkMemo(pools.tensor_guard)
-    tree.flatten(_state(model, opt, 0), memo)
+    tree.flatten(make(model, opt, 0), memo)
     model(torch.randn(5, 3)).square().mean().backward()
     opt.step()  # values change in place: the plan holds
     walked.clear()
-    state = _state(model, opt, 1)
+    state = make(model, opt, 1)
     flat = tree.flatten(state, memo)
-    assert walked == [("best_k", "epoch=1.ckpt")], walked  # only what is new
-    _same_flat(flat, tree.flatten(state))
+    assert walked == new, walked  # only what is new
+    _same_flat(flat, tree.flatten(state), by_address=make is _detached)
 
 
 @pytest.mark.parametrize("guard", GUARDS)
@@ -245,31 +259,6 @@ def test_values_of_this_moment_are_read_again_through_a_memo():
     flat = tree.flatten({"model": model, "counts": counts}, memo)
     assert flat.tree["model"].value["_extra_state"] == {"seen": 7}
     assert type(flat.tree["counts"]) is type(counts)
-
-
-def _detached(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> dict:
-    """A checkpoint as Lightning's holds the model: ``state_dict()``, whose tensors are
-    detached anew at every call."""
-    return {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
-            "loops": {"step": i}}
-
-
-def test_a_state_dict_detached_anew_over_the_same_memory_keeps_its_plan(walked):
-    model, opt = _setup()
-    memo = tree.WalkMemo(pools.tensor_guard)
-    tree.flatten(_detached(model, opt, 0), memo)
-    model(torch.randn(5, 3)).square().mean().backward()
-    opt.step()  # values change in place: the plan holds
-    walked.clear()
-    state = _detached(model, opt, 1)
-    flat = tree.flatten(state, memo)
-    assert walked == [], walked
-    fresh = tree.flatten(state)
-    assert flat.tree == fresh.tree
-    for x, y in ((flat.params, fresh.params), (flat.buffers, fresh.buffers),
-                 (flat.rest, fresh.rest)):   # the memo's tensors: over the same memory
-        assert [e[:-1] for e in x] == [e[:-1] for e in y]
-        assert [e[-1].data_ptr() for e in x] == [e[-1].data_ptr() for e in y]
 
 
 @pytest.mark.parametrize("guard", GUARDS)
