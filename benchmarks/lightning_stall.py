@@ -197,6 +197,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         r["ratio"] = ratio = statistics.median(s / c for s, c in zip(rest, raw))
         io_ratio = statistics.median((i + w) / c for i, w, c in zip(inner, r["wait"][1:], raw))
         r["io_p50"] = statistics.median(i + w for i, w in zip(inner, r["wait"][1:]))
+        r["io_ratio"] = io_ratio
         lines.append(f"{r['io']:<9} {len(r['stall']):>11} {ms(r['p50']):>13} {ms(p99(rest)):>13} "
                      f"{ms(statistics.median(r['wait'][1:])):>12} {ms(statistics.median(raw)):>11} {ratio:10.2f} "
                      f"{ms(statistics.median(inner)):>10} {ms(p99(inner)):>10} {io_ratio:12.2f} "

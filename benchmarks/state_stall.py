@@ -145,6 +145,8 @@ def main() -> None:
            "slot_bytes": stats["slot_bytes"], "slots": stats["slots"]}
     out["ratio_p50"] = out["stall_p50_ms"] / out["raw_p50_ms"]
     out["ratio_p99"] = out["stall_p99_ms"] / out["raw_p99_ms"]
+    # each save against the raw copy of its rep (timed just before or after it)
+    out["ratio_paired"] = statistics.median(s / c for s, c in zip(stall, raw))
     print(f"nested state, {args.mib} MiB model in {args.layers} layers + AdamW + scheduler + rng "
           f"+ best_k ({out['names']} names)"
           + (f" + {args.uint8_mib} MiB uint8" if args.uint8_mib else "")
