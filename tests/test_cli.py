@@ -919,7 +919,7 @@ def test_demo_prints_stall_table_and_restores(tmp_path, capsys):
                  "--keep-last", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "stall ms" in out and "step00060.fdl" in out
+    assert "stall ms" in out and "raw copy ms" in out and "step00060.fdl" in out
     assert "bit-identical to the live model and optimizer" in out
     assert sorted(os.listdir(tmp_path / "ck")) == [
         "step00040.fdl", "step00040.fdl.meta", "step00040.optim.fdl",
