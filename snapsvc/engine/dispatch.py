@@ -98,12 +98,11 @@ class Dispatcher:
                 with lock:
                     slot.claim.fill_(seq)
                 told = (self.sidecar.gen, slot.layout)
-                if slot.told is None or slot.told[0] != told[0]:
-                    msg = {**msg, "layout": slot.layout.to_msg()}
+                if slot.told is None or slot.told[0] != told[0] \
+                        or not slot.told[1].placed_like(told[1]):
+                    msg = {**msg, "layout": told[1].to_msg()}
                 elif slot.told[1] is not told[1]:   # new headers, the tensor bytes in place
-                    msg = {**msg, **({"renamed": slot.layout.renamed_msg()}
-                                     if slot.told[1].placed_like(slot.layout)
-                                     else {"layout": slot.layout.to_msg()})}
+                    msg = {**msg, "renamed": told[1].renamed_msg()}
                 sent = self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
                                                        sent_at=time.monotonic(), **msg))
                 if sent:

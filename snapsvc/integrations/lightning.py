@@ -343,8 +343,7 @@ class _Removal:
     def __init__(self, path: str, write: WriteHandle | None) -> None:
         self.path = path
         self.write = write
-        self._claim = threading.Lock()
-        self._claimed = False
+        self._claim = threading.Lock()   # taken once, never released: by the remover
         self._finished = threading.Event()
         self._error: BaseException | None = None
 
@@ -358,9 +357,7 @@ class _Removal:
         raise the removal's error (a failed write is raised by the plugin, not here)."""
         if self.write is not None:
             self.write.exception(timeout=timeout)
-        with self._claim:
-            mine, self._claimed = not self._claimed, True
-        if mine:
+        if self._claim.acquire(blocking=False):
             try:
                 _remove_files(self.path)
             except BaseException as e:

@@ -452,22 +452,21 @@ class _Walker:
         return InlineTensor(name, tuple(cpu.shape), data)
 
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
-        if self.memo is None:
-            return self.walk_module(m, path)
         own = len(path) == 1 and path[0] == self.model_key   # keeps its own names
+        if self.memo is None:
+            return self.walk_module(m, path, own)
         key, held = ("module", path, own), walk(m)
         node = self.reuse(key, m, held)
         if node is not None:
             return node
         marks = self.marks()
-        node = self.walk_module(m, path)
+        node = self.walk_module(m, path, own)
         # tensors only: an inline tensor or an extra state is a value of this moment
         if all(type(x) is TensorRef for x in node.value.values()):
             self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
         return node
 
-    def walk_module(self, m: nn.Module, path: tuple) -> ObjectNode:
-        own_names = len(path) == 1 and path[0] == self.model_key
+    def walk_module(self, m: nn.Module, path: tuple, own_names: bool) -> ObjectNode:
         tensors: dict[str, Any] = {}
         params, buffers = list(m.named_parameters()), list(persistent_buffers(m))
         for kind, pairs in (("param", params), ("buffer", buffers)):
