@@ -8,7 +8,7 @@
   that first DONE, its peak and current RSS, and whether it has torch
   loaded (``libtorch`` in its maps). --starts writers, one after another.
 * write: the sidecar's own write path in this process (its slot encoders
-  built by ``snapsvc.engine.writes.Files`` from a layout message, over an
+  built by ``snapsvc.sidecar.writes.Files`` from a layout message, over an
   anonymous mapping standing for the slot), a checkpoint of one --mib MiB
   float32 tensor, --small float32 tensors of 1 KiB, a few int64 and a bool
   tensor (the data file), written durably plain and gzip (default level) to
@@ -35,7 +35,7 @@ import time
 import torch
 
 import snapsvc
-from snapsvc.engine import writes
+from snapsvc.sidecar import writes
 from snapsvc.files.meta import Meta, write_with_meta
 from snapsvc.format.layout import Layout
 from snapsvc.format.streams import gzip_writer

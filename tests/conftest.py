@@ -60,7 +60,7 @@ def sidecar_children() -> list[int]:
                 cmdline = f.read()
         except (ValueError, OSError):  # not a process, or gone meanwhile
             continue
-        if ppid == os.getpid() and b"from snapsvc.engine.worker import boot" in cmdline:
+        if ppid == os.getpid() and b"from snapsvc.sidecar.worker import boot" in cmdline:
             pids.append(int(entry))
     return pids
 

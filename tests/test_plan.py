@@ -287,15 +287,16 @@ def _sidecar_with_slot(layout: "layout_mod.Layout"):
     import multiprocessing.connection as mpc
     import socket
 
-    from snapsvc.engine import worker as writer, writes
     from snapsvc.format import protocol
+    from snapsvc.format.claims import ClaimLock
+    from snapsvc.sidecar import worker, writes
     req_w, req_sock = socket.socketpair()
     req_r = mpc.Connection(os.dup(req_sock.fileno()))
     rep_r, rep_w = mpc.Pipe(duplex=False)
-    lock = writer.ClaimLock.create()
+    lock = ClaimLock.create()
     try:
-        side = writer._Sidecar(req_r, req_sock, rep_w, lock)
-        side.later = writer._Later(lambda: writes.Files(None, None))
+        side = worker._Sidecar(req_r, req_sock, rep_w, lock)
+        side.later = worker._Later(lambda: writes.Files(None, None))
         flat = staging.allocate(layout)
         socket.send_fds(req_w, [b"\0"], [staging.slot_fd(flat)])  # what follows a SLOT message
         assert side.handle({"op": protocol.SLOT, "slot": 1, "layout": layout.to_msg()})

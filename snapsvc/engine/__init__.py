@@ -1,9 +1,11 @@
-"""The engine: the trainer's side of the checkpoint sidecar and the sidecar process.
+"""The engine: the trainer's side of the checkpoint sidecar.
 
-Data flow between the two processes::
+Data flow of one ``submit()``, across the two processes (the sidecar's side
+is :mod:`snapsvc.sidecar`; what crosses between them is the protocol in
+:mod:`snapsvc.format`)::
 
-    trainer process                                   writer process (worker.py, writes.py)
-    ---------------                                   -------------------------------------
+    trainer process (this folder)                      sidecar process (snapsvc/sidecar/)
+    -----------------------------                      ----------------------------------
     submit(model or state, path)          [writer.py]
       | plan.request: check values, path, metadata body; the pool's key
       | plan.find_pool: the layout's pool (when names change: slots large
@@ -12,34 +14,32 @@ Data flow between the two processes::
       |   (policy block/skip/latest)
       | copier: copy tensors ---> slot k ========= one shared-memory mapping per slot ======
       |   (a model's cached plan: one torch.cat    (sent once: {SLOT k, layout} + its fd;
-      |    per dtype group of the slot)             the writer maps it, and builds its
-      |                                             fdl.Encoder at the first write)
+      |    per dtype group of the slot)             the sidecar maps it, and builds its
+      |                                             encoders at the first write)
       | book.add: seq, pending handle; claim[k] = seq
-      | dispatch: req socket {WRITE seq, k, path, body, --> a new layout: new headers (encoder
-      |   layout if k's changed}                          cache per slot); claim k (or skip)
-      v return WriteHandle                         encode .fdl(.gz) from slot k (and
-                                                   .fdl.data: dtypes .fdl has no tag for)
-                                                   temp file -> fsync -> rename -> .meta
-                                                   remote=: its uploader thread copies the
-                                                   files, .meta last ({UPLOADED seq, url})
-    reader thread (sidecar.py) <--- rep pipe: {DONE seq, ok | error, bytes, timings}
+      | dispatch: req socket {WRITE seq, k, path, body, --> claim k (or skip), encode
+      |   layout if k's changed}                          .fdl(.gz) from slot k, write it
+      v return WriteHandle                                durably, then .meta; remote=:
+                                                          upload it on a thread
+    reader thread (link.py)   <--- rep pipe: {DONE seq, ok | error, bytes, timings}
       book.resolve: the handle; slot k free again
-      writer sentinel fires -> book.lose: BrokenWriterError on every pending handle
+      sidecar sentinel fires -> book.lose: BrokenWriterError on every pending handle
 
 Who owns what::
 
     writer.py    SnapshotWriter: the public calls
-    life.py      Life: start / restart / stop of the sidecar                  lock
+    life.py      Life: start / restart / stop of the sidecar; SIGTERM and atexit   lock
     plan.py      a submit's checked request, its pool lookup, the metadata body
     book.py      Book: pending writes, flags, counters, reports               cond
     slots.py     SlotBroker: pool registration, slot reservation by policy
     dispatch.py  Dispatcher: copy into the slot, book it, send WRITE
     pools.py     SlotPools: slots by layout, copy plans, memory budget
     copier.py    Copier: blocking copy, overlap thread, CUDA stream           its own lock
-    sidecar.py   Sidecar: the interpreter, its channels, handshake, reader    _send_lock
-    worker.py    the sidecar process's loop: READY, slots, claims (the sidecar never imports torch)
-    writes.py    the sidecar's writing half: encoders over slot spans, durable writes, keep_last
-    exits.py     SIGTERM and atexit: drain what is queued, bounded
+    staging.py   shared-memory slots: allocation, views, the grouped copy
+    snapshot.py  ModelSnapshot and snapshot_cpu (flodl's API)
+    handles.py   WriteHandle and WriteReport
+    link.py      Sidecar: the trainer's link to its sidecar process: start,
+                 handshake, reports, death                                    _send_lock
 
 Locking. ``Book.cond`` (one lock) guards every piece of shared state:
 pending writes, slots, pools and plans, the broken/closing flags and the
@@ -51,8 +51,9 @@ at a timeout. All public methods are safe to call from any thread.
 
 Messages are msgpack written synchronously with ``send_bytes``, so a submit
 that returned has its message in the kernel's socket buffer: a SIGKILL of the
-trainer cannot lose it, and the writer drains the socket before it exits.
-Reports come back in submit order because the writer works in order.
+trainer cannot lose it, and the sidecar drains the socket before it exits.
+Reports come back in submit order because the sidecar works in order.
 
-Imports: ``state``, ``files``, ``format`` and ``errors``; nothing above it.
+Imports: ``sidecar`` (nothing but the boot line's module name), ``remote``,
+``state``, ``files``, ``format`` and ``errors``; nothing above it.
 """

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import BrokenWriterError, WriteFailedError, WriterClosedError
 from .handles import WriteHandle, WriteReport
 from .pools import Slot
-from .sidecar import describe
+from .link import describe
 
 __all__ = ["Book", "Pending"]
 

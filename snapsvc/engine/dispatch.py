@@ -27,7 +27,7 @@ from .book import Book
 from .copier import Copier
 from .handles import WriteHandle
 from .pools import Plan, Pool, Slot
-from .sidecar import Sidecar
+from .link import Sidecar
 from .slots import SlotBroker
 
 __all__ = ["Dispatcher"]

@@ -174,7 +174,7 @@ def pack_body(path: str, reserved: int, plain_state: bool = False, **values: Any
     """
     roots = ("extra",) if plain_state else ("state", "extra")
     trees, records = kinds.split({r: values[r] for r in roots if r in values})
-    values.update(trees, kinds=records)   # the sidecar joins them back (worker.py)
+    values.update(trees, kinds=records)   # the sidecar joins them back (snapsvc.sidecar.writes)
     try:
         body = protocol.pack_value(values)
     except (TypeError, ValueError, OverflowError) as e:  # checked already: a bug if it happens

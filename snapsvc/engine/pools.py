@@ -24,7 +24,7 @@ memory and never waits for the sidecar to map a new arena (which it does
 only after every write queued before): it reuses memory whose pages are
 faulted in and which the sidecar has mapped; names, order and non-tensor
 values travel with each write, and the sidecar rebuilds only its headers
-(:mod:`.worker`). A *plan* caches, per model, the tensors to copy and their
+(:mod:`snapsvc.sidecar.worker`). A *plan* caches, per model, the tensors to copy and their
 pool, so a submit of an unchanged model does not walk it by name. Memory
 stays bounded: the pools of layouts that the last submit did not use are
 released as soon as they are idle (:meth:`SlotPools._trim`), and

@@ -19,9 +19,9 @@ from ..format import protocol
 from .book import Book, Pending
 from .handles import WriteReport
 from .pools import RESERVED, Pool, Slot
-from .sidecar import Sidecar
+from .link import Sidecar
 from .staging import slot_fd
-from .worker import REVOKED
+from ..format.claims import REVOKED
 
 __all__ = ["SlotBroker"]
 

@@ -27,7 +27,7 @@ from .handles import WriteHandle, WriteReport
 from .life import Life
 from .plan import check_epoch, check_path, find_pool, pack_body, request
 from .pools import Slot, SlotPools
-from .sidecar import Sidecar
+from .link import Sidecar
 from .slots import SlotBroker
 from .snapshot import ModelSnapshot, as_metrics
 
@@ -80,7 +80,7 @@ class SnapshotWriter:
     :func:`snapsvc.files.durable.set_fault_hook`); it must be importable
     from a module, as the sidecar never imports ``__main__``.
     ``start_method``: deprecated and ignored (a ``DeprecationWarning``): the
-    sidecar is always a fresh interpreter (:mod:`snapsvc.engine.sidecar`),
+    sidecar is always a fresh interpreter (:mod:`snapsvc.engine.link`),
     never a ``multiprocessing`` child, whatever was asked.
 
     ``remote``: a second tier, a URL (``s3://bucket/prefix``, ``gs://``,

@@ -29,7 +29,7 @@ __all__ = ["ALIGN", "HEADER", "PARAM", "BUFFER", "OPTIM", "STATE", "STATE_STEP",
 
 ALIGN = 64
 # Each slot starts with a 64-byte header; its first int64 is the claim word:
-# the seq the writer may start on, or a negative value (see snapsvc.engine.worker).
+# the seq the writer may start on, or a negative value (see snapsvc.format.claims).
 HEADER = 64
 
 

@@ -4,7 +4,7 @@ No torch, here or in anything it imports: a slot's tensors are spans of its
 shared-memory mapping (:meth:`~snapsvc.format.layout.Layout.spans`), encoded
 by :class:`snapsvc.format.framing.Encoder`, the encoder behind
 :class:`snapsvc.format.fdl.Encoder`, so the files are the bytes the trainer's
-own encoder would write. :mod:`snapsvc.engine.worker` imports this module on
+own encoder would write. :mod:`snapsvc.sidecar.worker` imports this module on
 a thread after READY; the first write waits for it.
 """
 

@@ -1,28 +1,20 @@
-"""The writer sidecar's loop, in its own interpreter (see :mod:`snapsvc.engine.sidecar`).
+"""The writer sidecar's loop, in its own interpreter (see :mod:`snapsvc.engine.link`).
 
 It reads control messages from the trainer's socket, encodes each snapshot
 straight out of its shared-memory slot into a durable ``.fdl`` file plus
-metadata, and reports back in submit order. See :mod:`snapsvc.engine` for
+metadata, and reports back in submit order. See :mod:`snapsvc.sidecar` for
 the whole data flow.
 
-No torch. Neither this module nor :mod:`snapsvc.engine.writes` (the encoders
+No torch. Neither this module nor :mod:`snapsvc.sidecar.writes` (the encoders
 and the durable write) imports torch, and the interpreter's boot never runs
 ``snapsvc/__init__`` (which does): a slot's tensors are spans of its mapping,
 so the sidecar costs a bare interpreter's start and memory, not torch's. It
 answers READY and maps the slots it is handed at once, while
-:mod:`snapsvc.engine.writes` is imported on a thread; only the first WRITE
+:mod:`snapsvc.sidecar.writes` is imported on a thread; only the first WRITE
 waits for that import, in the sidecar, not in the training loop.
 
-Claim words. The "latest" policy lets the trainer re-stage a snapshot that is
-queued but not yet started. Each slot's header holds an int64 claim word,
-read and written only under a lock shared by both processes
-(:class:`ClaimLock`, which the kernel releases if its holder dies):
-
-- the trainer sets it to the seq of the WRITE it is about to send;
-- the writer, on that WRITE, sets it to ``STARTED`` if it still holds that
-  seq, else the snapshot was superseded and is skipped;
-- the trainer may revoke a queued seq (set ``REVOKED``) only while the
-  word still holds it, i.e. before the writer started.
+A WRITE is claimed before it is written (:mod:`snapsvc.format.claims`): a
+snapshot the trainer took back under the "latest" policy is skipped.
 
 The writer ignores SIGINT (a Ctrl-C in the terminal reaches the whole process
 group; the trainer decides when to stop) and outlives its parent just long
@@ -31,7 +23,6 @@ enough to finish every snapshot already handed to it.
 
 from __future__ import annotations
 
-import fcntl
 import importlib
 import logging
 import mmap
@@ -39,7 +30,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -48,49 +38,13 @@ from typing import Any, Callable
 
 from ..files.durable import set_fault_hook, unlink_quietly
 from ..format import protocol
+from ..format.claims import STARTED, WORD, ClaimLock
 
-__all__ = ["STARTED", "REVOKED", "ClaimLock", "writer_main", "boot"]
+__all__ = ["writer_main", "boot"]
 
 log = logging.getLogger("snapsvc.writer")
 
-STARTED = -1
-REVOKED = -2
 _PARENT_POLL_S = 0.5
-_CLAIM = struct.Struct("=q")  # the slot's first int64, as the trainer's tensor view reads it
-
-
-class ClaimLock:
-    """The lock guarding claim words, between the trainer and its sidecar.
-
-    A POSIX record lock (``fcntl.lockf``) on an anonymous ``memfd`` both
-    processes hold: the kernel drops it when its holder dies, so a SIGKILL
-    can never leave the other side waiting, and unlike a named semaphore it
-    leaves nothing in /dev/shm. Record locks belong to a process, not a
-    thread, so a thread lock orders the threads of one process first.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._threads = threading.Lock()
-
-    @classmethod
-    def create(cls) -> "ClaimLock":
-        return cls(os.memfd_create("snapsvc-claims", os.MFD_CLOEXEC))
-
-    def __enter__(self) -> None:
-        self._threads.acquire()
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        self._threads.release()
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _Slot:
@@ -100,7 +54,7 @@ class _Slot:
     A WRITE whose layout differs from the last one the slot held carries it, or
     where it places every tensor as that one did, only its names and hash (names
     change, the tensor bytes stay where they are). Encoders are built
-    by :mod:`snapsvc.engine.writes` once it is imported, at most once per kept
+    by :mod:`snapsvc.sidecar.writes` once it is imported, at most once per kept
     layout.
     """
 
@@ -141,7 +95,7 @@ class _Sidecar:
         self.req_sock = req_sock  # the socket under ``req``: slots' fds arrive on it
         self.rep = rep
         self.lock = lock
-        # -> snapsvc.engine.writes.Files once imported (set by writer_main)
+        # -> snapsvc.sidecar.writes.Files once imported (set by writer_main)
         self.later: _Later | None = None
         self.uploads_started = False
         self.slots: dict[int, _Slot] = {}
@@ -170,9 +124,9 @@ class _Sidecar:
 
     def claim(self, slot: _Slot, seq: int) -> bool:
         with self.lock:
-            if _CLAIM.unpack_from(slot.memory)[0] != seq:
+            if WORD.unpack_from(slot.memory)[0] != seq:
                 return False
-            _CLAIM.pack_into(slot.memory, 0, STARTED)
+            WORD.pack_into(slot.memory, 0, STARTED)
             return True
 
     def write(self, msg: dict[str, Any], trash: list[str]) -> dict[str, Any]:
@@ -297,7 +251,7 @@ class _Later:
 
 
 def boot() -> None:
-    """Entry point of the sidecar's interpreter (see :mod:`snapsvc.engine.sidecar`).
+    """Entry point of the sidecar's interpreter (see :mod:`snapsvc.engine.link`).
 
     Its arguments are the file descriptors it inherited: request socket,
     report pipe, sentinel and claim lock. Each is made non-inheritable, so

@@ -2,7 +2,7 @@
 
 One :class:`Sidecar` owns one process at a time (a *generation*): its
 channels, the claim lock both sides share, and the reader thread that
-delivers its reports. The process loop itself is :func:`snapsvc.engine.worker.writer_main`.
+delivers its reports. The process loop itself is :func:`snapsvc.sidecar.worker.writer_main`.
 
 The process is a fresh interpreter of its own (``sys.executable -c``, given
 the trainer's ``sys.path``), not a ``multiprocessing`` child: it never
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from ..errors import BrokenWriterError
 from ..format import protocol
-from .worker import ClaimLock
+from ..format.claims import ClaimLock
 
 __all__ = ["Sidecar", "describe", "nice_of"]
 
@@ -56,7 +56,7 @@ START_TIMEOUT = 120.0  # a bare interpreter answers in about a second; generous 
 # registered but never run: nothing the sidecar imports needs torch.
 _BOOT = ("import sys, importlib.util as u; sys.path[:] = {path!r}; "
          "s = u.find_spec('snapsvc'); sys.modules['snapsvc'] = u.module_from_spec(s); "
-         "from snapsvc.engine.worker import boot; boot()")
+         "from snapsvc.sidecar.worker import boot; boot()")
 
 
 def nice_of(nice: int | None) -> int:
