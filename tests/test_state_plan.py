@@ -16,7 +16,7 @@ from torch import nn
 
 import snapsvc
 from snapsvc.engine import pools
-from snapsvc.state import tree
+from snapsvc.state import memo as memo_mod, tree
 from test_plan import GUARDS, MUTATIONS
 from test_state import assert_same
 
@@ -142,7 +142,7 @@ def _param_state_same_tensors_new_dict(opt) -> None:
                          ids=lambda f: f.__name__)
 def test_a_changed_optimizer_state_table_is_noticed(mutate):
     model, opt = _setup()
-    memo = tree.WalkMemo(pools.tensor_guard)
+    memo = memo_mod.WalkMemo(pools.tensor_guard)
     for _ in range(2):
         tree.flatten(_state(model, opt, 0), memo)
     mutate(opt)
@@ -165,7 +165,7 @@ def walked(monkeypatch) -> list[tuple]:
                          ids=["modules", "a state_dict detached anew"])
 def test_unchanged_modules_and_optimizer_state_are_not_walked_again(walked, make, new):
     model, opt = _setup()
-    memo = tree.WalkMemo(pools.tensor_guard)
+    memo = memo_mod.WalkMemo(pools.tensor_guard)
     tree.flatten(make(model, opt, 0), memo)
     model(torch.randn(5, 3)).square().mean().backward()
     opt.step()  # values change in place: the plan holds
@@ -181,7 +181,7 @@ def test_unchanged_modules_and_optimizer_state_are_not_walked_again(walked, make
 def test_a_changed_optimizer_state_is_noticed(guard, mutate, monkeypatch, walked):
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model, opt = _setup()
-    memo = tree.WalkMemo(lambda ts: pools.tensor_guard(ts))
+    memo = memo_mod.WalkMemo(lambda ts: pools.tensor_guard(ts))
     tree.flatten(_state(model, opt, 0), memo)
     tree.flatten(_state(model, opt, 0), memo)  # the whole optimizer state reused as one part
     assert ("map", ("opt", "state"), True) in memo.parts
@@ -200,7 +200,7 @@ def test_a_changed_optimizer_state_is_noticed(guard, mutate, monkeypatch, walked
 def test_a_changed_module_tensor_in_a_mapping_is_noticed(guard, mutate, monkeypatch, walked):
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model, opt = _setup()
-    memo = tree.WalkMemo(lambda ts: pools.tensor_guard(ts))
+    memo = memo_mod.WalkMemo(lambda ts: pools.tensor_guard(ts))
     tree.flatten(_state(model, opt, 0), memo)
     mutate(model[2].weight)  # in "model" and in "aux"
     state = _state(model, opt, 1)
@@ -252,7 +252,7 @@ def test_values_of_this_moment_are_read_again_through_a_memo():
     """Extra states and container kinds are not tensors a guard can check: a
     module with extra state and a mapping whose kind changed are walked again."""
     model = _Counted(2, 2)
-    memo = tree.WalkMemo(pools.tensor_guard)
+    memo = memo_mod.WalkMemo(pools.tensor_guard)
     tree.flatten({"model": model, "counts": {"a": 1}}, memo)
     model.seen = 7
     counts = __import__("collections").Counter(a=1)
@@ -287,7 +287,7 @@ def test_a_module_that_stops_keeping_its_own_names_is_walked_again():
     """The only module of a state keeps its own names; beside a second one it
     does not (its entries are then named by key path): its part is not reused."""
     model, _ = _setup()
-    memo = tree.WalkMemo(pools.tensor_guard)
+    memo = memo_mod.WalkMemo(pools.tensor_guard)
     tree.flatten({"net": model}, memo)
     state = {"net": model, "ema": nn.Linear(2, 2)}
     flat = tree.flatten(state, memo)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import snapsvc
-from snapsvc.errors import EncodeError, PathError, SnapsvcError, UnsupportedStateError
+from snapsvc.errors import EncodeError, PathError, SnapsvcError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 

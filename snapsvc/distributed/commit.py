@@ -32,7 +32,7 @@ from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..files.meta import read_meta
 from ..format import fdl, kinds, protocol
-from ..state.tree import outline
+from ..state.paths import outline
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item, _settle
 from .manifest import MANIFEST_NAME, Manifest, RankFile, _write_manifest

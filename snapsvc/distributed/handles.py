@@ -65,7 +65,7 @@ class _Item:
     sharded: dict[str, Any] | None = None         # sharded: the model's (or state's) description
     what: str = "model"                           # "model", "sharded model" or "state mapping"
     tree: Any = None                              # state: its tree, as the metadata holds it
-    outline: list[str] | None = None              # state: its structure (state.tree.outline)
+    outline: list[str] | None = None              # state: its structure (state.paths.outline)
     digests: tuple[str, str] | None = None        # state: of the outline, of the whole tree
 
 

@@ -23,7 +23,7 @@ from ..files.meta import read_meta
 from ..format.protocol import ObjectNode, TensorRef
 from ..state.resume import optimizer_state_dict, restore
 from ..state.readback import rebuild, restore_tree
-from ..state.tree import param_names, path_name
+from ..state.paths import param_names, path_name
 from .coord import _rank_and_world
 from .shards import _dtensor_type, _is_dtensor
 from .pieces import _PieceReader, _globals, _region, _user_extra

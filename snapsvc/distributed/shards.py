@@ -21,8 +21,9 @@ from ..format import fdl
 from ..engine.pools import tensor_guard
 from ..engine.snapshot import ModelSnapshot
 from ..state.resume import optimizer_state
-from ..state.tree import Flat, WalkMemo, dtensor_type as _dtensor_type, find, flatten, \
-    is_dtensor as _is_dtensor, param_names
+from ..state.memo import WalkMemo
+from ..state.paths import find, param_names
+from ..state.tree import Flat, dtensor_type as _dtensor_type, flatten, is_dtensor as _is_dtensor
 
 __all__ = ["SHARDS_KEY", "ShardMemo"]
 

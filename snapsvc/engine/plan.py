@@ -24,7 +24,8 @@ from ..files.meta import meta_path, optim_path
 from ..format import datafile, fdl, kinds, protocol
 from ..format.layout import BUFFER, OPTIM, PARAM, Layout
 from ..state.resume import optimizer_state
-from ..state.tree import Flat, WalkMemo, flatten, model_extra_states
+from ..state.memo import WalkMemo
+from ..state.tree import Flat, flatten, model_extra_states
 from .pools import Plan, Pool, SlotPools, walk
 from .snapshot import ModelSnapshot
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import SlotBudgetError
 from ..format.layout import BUFFER, EARLY, PARAM, Layout
-from ..state.tree import WalkMemo, walk
+from ..state.memo import WalkMemo, walk
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",

@@ -75,7 +75,7 @@ _TUPLE, _REF, _OBJECT, _INLINE = 1, 2, 3, 4
 _NESTED = (_TUPLE, _OBJECT, _INLINE)  # extension payloads that are msgpack themselves
 
 # How deep a value read back may nest, containers and extension values
-# together. A state tree nests at most snapsvc.state.tree.MAX_DEPTH (64)
+# together. A state tree nests at most snapsvc.state.paths.MAX_DEPTH (64)
 # containers below the metadata's map; each level costs at most 3 here (an
 # object's extension, its list, its state dict; a tuple costs 2), and the
 # deepest leaf 6 more (a module's node and dict, an inline tensor's extension,

@@ -2,8 +2,10 @@
 
 What each module holds::
 
+    paths.py    key paths and entry names; find, param_names, outline
     tree.py     flatten a nested state (models, optimizers, schedulers, tensors,
                 plain values) into entries plus a msgpack tree
+    memo.py     the parts of the last walk that the next may take as they are
     readback.py that tree back: load() into values, restore into live objects
     resume.py   optimizer state as file entries; restore(path, model | mapping)
 

@@ -24,7 +24,8 @@ from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError,
     StrictLoadError, TargetNotWritableError
 from ..files.meta import read_meta, read_with_data
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
-from .tree import INLINE_DTYPES, _show, extra_states, path_name
+from .paths import path_name, show
+from .tree import INLINE_DTYPES, extra_states
 
 __all__ = ["load", "rebuild", "restore_state", "restore_tree"]
 
@@ -168,14 +169,14 @@ class _Matcher:
 
     def tensor(self, live: torch.Tensor, saved: Any, path: tuple) -> None:
         if not isinstance(saved, torch.Tensor):
-            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a tensor here, "
+            raise ArchitectureMismatchError(f"{self.where}: {show(path)} is a tensor here, "
                                             f"a {type(saved).__name__} in the checkpoint")
         if saved.shape != live.shape:
-            raise ShapeMismatchError(f"{self.where}: {_show(path)}: checkpoint shape "
+            raise ShapeMismatchError(f"{self.where}: {show(path)}: checkpoint shape "
                                      f"{list(saved.shape)} but live shape {list(live.shape)}")
         problem = _unwritable(live)
         if problem:
-            raise TargetNotWritableError(f"{self.where}: {_show(path)} is {problem}")
+            raise TargetNotWritableError(f"{self.where}: {show(path)} is {problem}")
         self.plan.copies.append((live, saved))
         self.plan.report.loaded.append(path_name(path))
 
@@ -186,7 +187,7 @@ class _Matcher:
         if type(saved) is ObjectNode and saved.kind in ("optimizer", "stateful") \
                 and saved.cls != type(live).__name__:
             raise ArchitectureMismatchError(
-                f"{self.where}: {_show(path)} was saved from a {saved.cls}, the live object "
+                f"{self.where}: {show(path)} was saved from a {saved.cls}, the live object "
                 f"is a {type(live).__name__}; restore into the class that saved it")
 
     def match(self, live: Any, saved: Any, path: tuple) -> None:
@@ -206,7 +207,7 @@ class _Matcher:
                 and callable(getattr(live, "load_state_dict", None)):
             self.same_class(live, saved, path)
             if not isinstance(value, dict):
-                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} holds a "
+                raise ArchitectureMismatchError(f"{self.where}: {show(path)} holds a "
                                                 f"{type(value).__name__}, not a state dict")
             self.plan.loads.append((live, value))
             self.plan.report.restored.append(path_name(path))
@@ -214,7 +215,7 @@ class _Matcher:
             self.mapping(live, value, path)
         elif isinstance(live, (list, tuple)) and isinstance(value, (list, tuple)):
             if len(live) != len(value):
-                raise ArchitectureMismatchError(f"{self.where}: {_show(path)} has {len(live)} "
+                raise ArchitectureMismatchError(f"{self.where}: {show(path)} has {len(live)} "
                                                 f"items here, {len(value)} in the checkpoint")
             for i, (a, b) in enumerate(zip(live, value)):
                 self.match(a, b, path + (i,))
@@ -222,7 +223,7 @@ class _Matcher:
 
     def mapping(self, live: Mapping, saved: Any, path: tuple) -> None:
         if not isinstance(saved, dict):
-            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a mapping here, "
+            raise ArchitectureMismatchError(f"{self.where}: {show(path)} is a mapping here, "
                                             f"a {type(saved).__name__} in the checkpoint")
         for k, v in live.items():
             if k in saved:
@@ -233,7 +234,7 @@ class _Matcher:
 
     def module(self, live: nn.Module, saved: Any, path: tuple) -> None:
         if not isinstance(saved, dict):
-            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is a module here, "
+            raise ArchitectureMismatchError(f"{self.where}: {show(path)} is a module here, "
                                             f"a {type(saved).__name__} in the checkpoint")
         targets: dict[str, Any] = dict(live.named_parameters())
         targets.update(persistent_buffers(live))
@@ -249,21 +250,21 @@ class _Matcher:
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if kind not in (None, "optimizer") or not isinstance(groups, list) \
                 or not isinstance(saved.get("state"), dict):
-            raise ArchitectureMismatchError(f"{self.where}: {_show(path)} is an optimizer here, "
+            raise ArchitectureMismatchError(f"{self.where}: {show(path)} is an optimizer here, "
                                             "but the checkpoint holds no optimizer state there")
         have = [len(g["params"]) for g in live.param_groups]
         try:
             want = [len(g["params"]) for g in groups]
         except (TypeError, KeyError):
-            raise FormatError(f"{_show(path)}: malformed param_groups", path=self.where) from None
+            raise FormatError(f"{show(path)}: malformed param_groups", path=self.where) from None
         if have != want:
             raise ArchitectureMismatchError(
-                f"{self.where}: {_show(path)}: the optimizer's param groups hold {have} "
+                f"{self.where}: {show(path)}: the optimizer's param groups hold {have} "
                 f"parameters, the checkpoint's {want}; build the optimizer the same way")
         count = sum(have)
         for index, state in saved["state"].items():
             if type(index) is not int or not 0 <= index < count or not isinstance(state, dict):
-                raise FormatError(f"{_show(path)}: optimizer state for parameter {index!r}, "
+                raise FormatError(f"{show(path)}: optimizer state for parameter {index!r}, "
                                   f"which the optimizer lacks", path=self.where)
         self.plan.loads.append((live, saved))
         self.plan.report.restored.append(path_name(path))

@@ -8,13 +8,9 @@ tensors, ``nn.Module``, ``torch.optim.Optimizer``, any object with
 submit with :class:`~snapsvc.errors.UnsupportedStateError` naming its key
 path; nothing is pickled, so loading a checkpoint never runs code.
 
-On disk. Every tensor is an entry, named by its path in the state: of the
-checkpoint file when ``.fdl`` has a tag for its dtype, else of the data file
-beside it (:mod:`snapsvc.format.datafile`)::
-
-    path   := segment ("/" segment)*
-    segment:= str key, with "%" -> "%25", "/" -> "%2F" and a leading "#" -> "%23"
-            | "#" decimal      an int key, or a list or tuple index
+On disk. Every tensor is an entry, named by its key path in the state
+(:mod:`snapsvc.state.paths`): of the checkpoint file when ``.fdl`` has a tag
+for its dtype, else of the data file beside it (:mod:`snapsvc.format.datafile`)::
 
     {"opt": adam, "ema": ema_model, "step": torch.tensor(3)}
       -> "opt/state/#0/exp_avg", "ema/fc.weight", "step"
@@ -34,29 +30,31 @@ The tree itself (containers, key types, tuple versus list, non-tensor
 leaves, which live object each part came from) goes in the metadata, packed
 by :mod:`snapsvc.format.protocol`; ``docs/state.md`` describes it. Reading it
 back, and restoring it into live objects, is :mod:`snapsvc.state.readback`.
+The parts of one walk that the next may take as they are: :mod:`snapsvc.state.memo`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
 import torch
 from torch import nn
 
+from ..errors import EncodeError, UnsupportedStateError
 from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers
 from ..format import datafile, fdl, kinds
-from ..errors import EncodeError, UnsupportedStateError
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
+from .memo import Part, WalkMemo, has_inline, leaves, same, walk
+from .paths import MAX_DEPTH, model_key, path_name, show
 
-__all__ = ["Flat", "StepState", "WalkMemo", "flatten", "walk", "check_plain", "find", "path_name", "param_names", "outline", "dtensor_type", "is_dtensor", "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES", "MAX_DEPTH"]
+__all__ = ["Flat", "StepState", "flatten", "check_plain", "dtensor_type", "is_dtensor",
+           "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES"]
 
-
-MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few levels
 _I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
 _PLAIN = (str, bytes, bool, float, type(None))
 
@@ -99,81 +97,6 @@ def dtensor_type() -> Any:
 def is_dtensor(t: Any) -> bool:
     cls = dtensor_type()
     return cls is not None and isinstance(t, cls)
-def walk(model: nn.Module) -> list[torch.Tensor | None]:
-    """Every parameter and buffer slot of every submodule, in one pass.
-
-    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
-    ``buffers()`` would walk the tree twice and build names and sets, which
-    costs milliseconds on models with thousands of tensors, on every submit.
-    """
-    out: list[torch.Tensor | None] = []
-    for mod in model.modules():
-        out.extend(mod._parameters.values())
-        out.extend(mod._buffers.values())
-    return out
-
-
-Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
-
-
-@dataclass
-class _Part:
-    """A walked module or leaf mapping, as the next walk may reuse it."""
-
-    what: Any                                   # the module, or the mapping's keys
-    held: list                                  # walk(module), or the mapping's values
-    check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
-    picks: list[int]                            # which of ``held`` its tensors are
-    node: Any                                   # its part of the tree
-    params: list[tuple[str, torch.Tensor]]
-    buffers: list[tuple[str, torch.Tensor]]
-    rest: list[tuple[str, str, torch.Tensor]]
-    names: dict[str, tuple]
-    structural_hash: str | None
-    # the parts walked inside it (an optimizer state's per-parameter ones): kept
-    # with it, so a change in one parameter's state later re-walks only that one
-    inner: dict[tuple, "_Part"]
-    geometry: tuple[list, list, list]  # of params, buffers, rest (see Flat.geometry)
-
-
-class WalkMemo:
-    """What the last :func:`flatten` found, by key path: modules (same
-    parameter and buffer objects, as :func:`walk` lists them) and mappings
-    of tensors and plain scalars (an optimizer's per-parameter state, a
-    ``state_dict()``): the same objects, or plain tensors over the same memory
-    (see :func:`_same`), whose tensors still have the shapes, strides, dtypes
-    and devices they had, are not walked again; the part's tensors are copied.
-    Only the parts of the last walk are kept. ``guard(tensors)`` makes that
-    check (see :func:`snapsvc.engine.pools.tensor_guard`)."""
-
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
-        self.parts: dict[tuple, _Part] = {}
-
-    def clear(self) -> None:
-        self.parts = {}
-
-
-def _is_leaf(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
-
-
-def _segment(key: str | int) -> str:
-    if type(key) is int:
-        return f"#{key}"
-    s = key.replace("%", "%25").replace("/", "%2F")
-    return "%23" + s[1:] if s.startswith("#") else s
-
-
-def path_name(path: tuple) -> str:
-    """The entry name, or report path, of ``path`` (a tuple of keys and indices)."""
-    return "/".join(_segment(k) for k in path)
-
-
-def _show(path: tuple, root: str = "state") -> str:
-    return root + "".join(f"[{k!r}]" for k in path)
-
-
 @dataclass
 class Flat:
     """A state taken apart for staging: tensors by kind, and the tree."""
@@ -208,45 +131,6 @@ class StepState:
         self.value = value
 
 
-def _leaves(v: Mapping, kind: str | None) -> tuple[Any, list] | None:
-    """What a memo part of mapping ``v`` is checked by: (its keys, their types and
-    its kind (1 == True), its leaves), where its values are all leaves (an
-    optimizer's per-parameter state), or all plain dicts of leaves (an
-    optimizer's whole ``state``: one part, not one per parameter); else None."""
-    values = list(v.values())
-    if all(map(_is_leaf, values)):
-        return (kind, tuple(v), tuple(map(type, v))), values
-    if not all(type(d) is dict for d in values):
-        return None
-    held = [x for d in values for x in d.values()]
-    if not all(map(_is_leaf, held)):
-        return None
-    return (kind, tuple(v), tuple(map(type, v)),
-            tuple((tuple(d), tuple(map(type, d))) for d in values)), held
-
-
-def _same(then: list, now: list) -> bool:
-    """Whether ``now`` holds what a memo's part held (``then``): the same objects, or
-    plain tensors over the same memory. ``state_dict()`` detaches every tensor anew
-    at each call (Lightning's checkpoint holds the model's): a new tensor at the
-    address of one the part keeps alive is over the same memory, and the part's
-    guard then checks its shape, strides and dtype."""
-    if len(then) != len(now):
-        return False
-    if all(map(operator.is_, then, now)):
-        return True
-    ptr = torch.Tensor.data_ptr
-    return all(a is b or type(a) is torch.Tensor and type(b) is torch.Tensor
-               and ptr(a) == ptr(b) for a, b in zip(then, now))
-
-
-def _has_inline(node: dict) -> bool:
-    """Whether a mapping's tree node (of :func:`_leaves`'s shape) holds an inline tensor."""
-    return any(type(x) is InlineTensor
-               or type(x) is dict and any(type(y) is InlineTensor for y in x.values())
-               for x in node.values())
-
-
 class _Walker:
     def __init__(self, model_key: str | None, tensors_ok: bool, root: str = "state",
                  sharded: bool = False, memo: WalkMemo | None = None) -> None:
@@ -258,14 +142,14 @@ class _Walker:
         self.names: dict[str, tuple] = {}
         self.open: set[int] = set()  # containers on the current path: a cycle revisits one
         self.memo = memo
-        self.parts: dict[tuple, _Part] = {}  # this walk's, for the next one
+        self.parts: dict[tuple, Part] = {}  # this walk's, for the next one
 
     def reuse(self, key: tuple, what: Any, held: list) -> Any:
         """The tree node of the memo's part ``key`` if ``what``/``held`` are the
         same as then, its tensors unchanged and its names still free; else None."""
         part = self.memo.parts.get(key) if self.memo is not None else None
         if part is None or part.what is not what and part.what != what \
-                or not _same(part.held, held):
+                or not same(part.held, held):
             return None
         if not part.check([held[i] for i in part.picks]) or not self.names.keys().isdisjoint(
                 part.names):
@@ -301,11 +185,11 @@ class _Walker:
                                             *(n for _, n, _ in rest)]}
         inner = dict(list(self.parts.items())[marks[3]:])
         geometry = tuple(g[m:] for g, m in zip(flat.geometry, marks))
-        self.parts[key] = _Part(what, list(held), self.memo.guard(tensors), picks, node,
+        self.parts[key] = Part(what, list(held), self.memo.guard(tensors), picks, node,
                                 params, buffers, rest, names, structural_hash, inner, geometry)
 
     def show(self, path: tuple) -> str:
-        return _show(path, self.root)
+        return show(path, self.root)
 
     def refuse(self, path: tuple, what: str) -> UnsupportedStateError:
         where = self.show(path)
@@ -370,7 +254,7 @@ class _Walker:
                 except ValueError as e:
                     raise self.refuse(path, str(e)) from None
                 self.flat.kinds |= kind is not None
-                shape = _leaves(v, kind) if self.memo is not None else None
+                shape = leaves(v, kind) if self.memo is not None else None
                 # plain values alone (a loop's counters): checking them costs their walk
                 if shape is not None and any(isinstance(x, torch.Tensor) for x in shape[1]):
                     key, (what, held) = ("map", path, step), shape
@@ -379,7 +263,7 @@ class _Walker:
                         return node
                     marks = self.marks()
                     node = kinds.like(v, self.mapping(v, path, step))
-                    if not _has_inline(node):  # an inline tensor is a value of this moment
+                    if not has_inline(node):  # an inline tensor is a value of this moment
                         self.remember(key, what, held, node, marks)
                     return node
                 return kinds.like(v, self.mapping(v, path, step))
@@ -506,14 +390,6 @@ def _in_state_dict_order(m: nn.Module, tensors: dict[str, Any]) -> dict[str, Any
     return out if len(out) == len(tensors) else tensors
 
 
-def _model_key(state: Mapping) -> str | None:
-    """Which top-level module keeps its own names (see the module docstring)."""
-    if isinstance(state.get("model"), nn.Module):
-        return "model"
-    keys = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    return keys[0] if len(keys) == 1 and type(keys[0]) is str else None
-
-
 def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = False) -> Flat:
     """Validate ``state`` and take it apart: tensors to stage, the tree for the metadata.
 
@@ -530,7 +406,7 @@ def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = Fal
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")
-    w = _Walker(_model_key(state), tensors_ok=True, sharded=sharded, memo=memo)
+    w = _Walker(model_key(state), tensors_ok=True, sharded=sharded, memo=memo)
     w.flat.tree = w.container(state, ())
     w.flat.checked = True
     if memo is not None:
@@ -558,68 +434,6 @@ def set_model_extra_states(m: nn.Module, saved: dict[str, Any] | None, report: L
         else:
             report.missing.append(key)
     report.skipped += [key for key in saved if key not in live]
-
-
-def find(state: Mapping, types: type | tuple[type, ...]) -> list[tuple[str, Any]]:
-    """(path name, value) of every value of ``types`` in ``state``, reached through
-    dicts, lists and tuples, in the state's order."""
-    out: list[tuple[str, Any]] = []
-
-    def visit(v: Any, path: tuple) -> None:
-        if isinstance(v, types):
-            out.append((path_name(path), v))
-        elif len(path) >= MAX_DEPTH:
-            return
-        elif isinstance(v, Mapping):
-            for k, item in v.items():
-                visit(item, path + (k,))
-        elif type(v) in (list, tuple):
-            for i, item in enumerate(v):
-                visit(item, path + (i,))
-
-    visit(state, ())
-    return out
-
-
-def param_names(state: Mapping) -> dict[int, str]:
-    """``id(parameter)`` -> its entry name, for every module in ``state``: the
-    names a submit gives them."""
-    key, out = _model_key(state), {}
-    own = None if key is None else _segment(key)
-    for where, module in find(state, nn.Module):
-        for n, p in module.named_parameters():
-            out.setdefault(id(p), n if where == own else f"{where}/{_segment(n)}")
-    return out
-
-
-def outline(tree: Any) -> list[str]:
-    """One line per leaf of a flattened tree: its path and what it is (not its
-    value), so two trees of the same structure have the same outline."""
-    out: list[str] = []
-
-    def visit(node: Any, path: tuple) -> None:
-        t = type(node)
-        if t is ObjectNode:
-            out.append(f"{_show(path)}: {node.kind}")
-            visit(node.value, path)
-        elif isinstance(node, dict):
-            if t is not dict:   # an OrderedDict, Counter or defaultdict
-                out.append(f"{_show(path)}: {t.__name__}")
-            for k, v in node.items():
-                visit(v, path + (k,))
-        elif t in (list, tuple):
-            out.append(f"{_show(path)}: {t.__name__} of {len(node)}")
-            for i, v in enumerate(node):
-                visit(v, path + (i,))
-        elif t is InlineTensor:
-            out.append(f"{_show(path)}: {node.dtype} tensor {list(node.shape)}")
-        elif t is TensorRef:
-            out.append(f"{_show(path)}: tensor {node.name!r}")
-        else:
-            out.append(f"{_show(path)}: {t.__name__}")
-
-    visit(tree, ())
-    return out
 
 
 def check_plain(value: Any, what: str) -> Any:

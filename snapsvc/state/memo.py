@@ -1,0 +1,129 @@
+"""A state's kept plan: what the last walk found, reused while it still holds.
+
+A submit of a nested state walks it (:func:`snapsvc.state.tree.flatten`).
+The parts of that walk worth keeping (a module, a mapping of tensors and plain
+values such as an optimizer's per-parameter state) are kept here by key path,
+and the next walk takes a part as it is, without walking it, when it still
+holds::
+
+    walk N:    state["opt"]["state"]  -> part(keys, tensors, guard, node, entries)
+    walk N+1:  same keys and types, the same tensors (or plain tensors over the
+               same memory), guard(tensors) still true, names still free
+               -> the part's node and entries, not walked again
+
+No torch work beyond the guard: a part's check is one C-level pass per list.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..format.protocol import InlineTensor
+
+__all__ = ["Guard", "Part", "WalkMemo", "walk", "is_leaf", "leaves", "same", "has_inline"]
+
+_PLAIN = (str, bytes, bool, float, type(None))
+
+
+def walk(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter and buffer slot of every submodule, in one pass.
+
+    Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
+    ``buffers()`` would walk the tree twice and build names and sets, which
+    costs milliseconds on models with thousands of tensors, on every submit.
+    """
+    out: list[torch.Tensor | None] = []
+    for mod in model.modules():
+        out.extend(mod._parameters.values())
+        out.extend(mod._buffers.values())
+    return out
+
+
+Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
+
+
+@dataclass
+class Part:
+    """A walked module or leaf mapping, as the next walk may reuse it."""
+
+    what: Any                                   # the module, or the mapping's keys
+    held: list                                  # walk(module), or the mapping's values
+    check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
+    picks: list[int]                            # which of ``held`` its tensors are
+    node: Any                                   # its part of the tree
+    params: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    rest: list[tuple[str, str, torch.Tensor]]
+    names: dict[str, tuple]
+    structural_hash: str | None
+    # the parts walked inside it (an optimizer state's per-parameter ones): kept
+    # with it, so a change in one parameter's state later re-walks only that one
+    inner: dict[tuple, "Part"]
+    geometry: tuple[list, list, list]  # of params, buffers, rest (see Flat.geometry)
+
+
+class WalkMemo:
+    """What the last :func:`flatten` found, by key path: modules (same
+    parameter and buffer objects, as :func:`walk` lists them) and mappings
+    of tensors and plain scalars (an optimizer's per-parameter state, a
+    ``state_dict()``): the same objects, or plain tensors over the same memory
+    (see :func:`_same`), whose tensors still have the shapes, strides, dtypes
+    and devices they had, are not walked again; the part's tensors are copied.
+    Only the parts of the last walk are kept. ``guard(tensors)`` makes that
+    check (see :func:`snapsvc.engine.pools.tensor_guard`)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.parts: dict[tuple, Part] = {}
+
+    def clear(self) -> None:
+        self.parts = {}
+
+
+def is_leaf(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
+
+
+def leaves(v: Mapping, kind: str | None) -> tuple[Any, list] | None:
+    """What a memo part of mapping ``v`` is checked by: (its keys, their types and
+    its kind (1 == True), its leaves), where its values are all leaves (an
+    optimizer's per-parameter state), or all plain dicts of leaves (an
+    optimizer's whole ``state``: one part, not one per parameter); else None."""
+    values = list(v.values())
+    if all(map(is_leaf, values)):
+        return (kind, tuple(v), tuple(map(type, v))), values
+    if not all(type(d) is dict for d in values):
+        return None
+    held = [x for d in values for x in d.values()]
+    if not all(map(is_leaf, held)):
+        return None
+    return (kind, tuple(v), tuple(map(type, v)),
+            tuple((tuple(d), tuple(map(type, d))) for d in values)), held
+
+
+def same(then: list, now: list) -> bool:
+    """Whether ``now`` holds what a memo's part held (``then``): the same objects, or
+    plain tensors over the same memory. ``state_dict()`` detaches every tensor anew
+    at each call (Lightning's checkpoint holds the model's): a new tensor at the
+    address of one the part keeps alive is over the same memory, and the part's
+    guard then checks its shape, strides and dtype."""
+    if len(then) != len(now):
+        return False
+    if all(map(operator.is_, then, now)):
+        return True
+    ptr = torch.Tensor.data_ptr
+    return all(a is b or type(a) is torch.Tensor and type(b) is torch.Tensor
+               and ptr(a) == ptr(b) for a, b in zip(then, now))
+
+
+def has_inline(node: dict) -> bool:
+    """Whether a mapping's tree node (of :func:`_leaves`'s shape) holds an inline tensor."""
+    return any(type(x) is InlineTensor
+               or type(x) is dict and any(type(y) is InlineTensor for y in x.values())
+               for x in node.values())
