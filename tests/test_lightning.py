@@ -213,7 +213,7 @@ def test_removing_a_written_checkpoint_does_not_wait_for_the_unlink(tmp_path, mo
     that discards the freed blocks): remove_checkpoint returns before the files are gone, the
     path exists for no one from then on, and a save of it, a load and teardown finish the
     removal first; a removal that fails is raised there, once."""
-    import snapsvc.integrations.lightning as plugin
+    import snapsvc.integrations.lightning.plugin as plugin
     unlinking, go = threading.Event(), threading.Event()
     remove = os.remove
 

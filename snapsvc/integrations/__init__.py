@@ -2,9 +2,10 @@
 
 What each module holds::
 
-    lightning.py      SnapsvcCheckpointIO (snapsvc.lightning re-exports it)
-    transformers.py   SnapsvcTrainer (snapsvc.transformers re-exports it)
-    hf_commit.py      its committer thread: a checkpoint-<N> directory appears whole or not at all
+    lightning/        SnapsvcCheckpointIO (snapsvc.lightning re-exports it): the plugin,
+                      hyper-parameters without pickling, the Lightning functions it wraps
+    transformers/     SnapsvcTrainer (snapsvc.transformers re-exports it): saves, resumes,
+                      the committer that makes a checkpoint-<N> directory appear whole
     wraps.py          wrap(): a library's own function wrapped once, where stock behaviour is decided
 
 Each imports its trainer library, so neither is imported by ``snapsvc`` itself.

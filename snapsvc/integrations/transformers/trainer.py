@@ -1,100 +1,5 @@
-"""Asynchronous checkpoints for the Hugging Face ``transformers`` Trainer.
-
-:class:`SnapsvcTrainer` is a drop-in ``transformers.Trainer`` (written against
-5.24) whose ``_save_checkpoint`` stages the model, optimizer, scheduler,
-gradient scaler, RNG states (torch, cuda, python, numpy) and trainer state in
-one :meth:`SnapshotWriter.submit` and returns; the writer sidecar writes them.
-
-Layout. A committed ``checkpoint-<step>/`` holds::
-
-    snapsvc_state.fdl        the tensors of the model, optimizer and scaler: flodl's format
-    snapsvc_state.fdl.data   the torch RNG states (uint8), in its framing (docs/state.md)
-    snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
-    trainer_state.json       HF's own file, which train() and HF tools read
-    config.json              the model's config, when it has one
-
-One state file plus HF's JSON files, not HF's layout, because the sidecar
-writes ``.fdl`` files and never pickles: ``optimizer.pt``, ``scheduler.pt``
-and ``rng_state.pth`` are pickles, so HF's layout would mean writing them in
-the training process, which is the stall this class removes. The cost: a
-stock ``Trainer`` cannot resume from these directories (``SnapsvcTrainer``
-resumes from both kinds; once this module is imported, the stock one's error
-says so instead of only "Can't find a valid checkpoint"), and ``from_pretrained`` needs the weights exported
-(``snapsvc.load(path)["model"]``). Python's and numpy's RNG states become
-state-API values (tuples, ints, bytes) and are rebuilt on load.
-
-Completeness. transformers 5.24 has no incomplete-checkpoint marker:
-``get_last_checkpoint`` takes the highest ``checkpoint-<N>`` directory and
-``rotate_checkpoints`` globs ``checkpoint-*``. So a checkpoint is written into
-a hidden ``.snapsvc-checkpoint-<N>`` directory, which neither matches, and a
-committer thread renames it to ``checkpoint-<N>`` only after the sidecar
-reported the state file and its metadata durable and the JSON files and the
-directory were fsynced; then it fsyncs the run directory. A directory still
-being written, or left by a crash, is never under a name HF (or
-``resume_from_checkpoint=True``) picks; leftovers are removed at the next
-save. Because no write ever targets a ``checkpoint-*`` directory, rotation
-(HF's own ``rotate_checkpoints``, run by the committer right after each
-commit with the arguments the stock Trainer would pass) can neither delete a
-pending write nor keep a half-written one, so per-file waits and removal
-(``SnapshotWriter.wait_path``, ``snapsvc.checkpoint_files``) are not needed.
-``load_best_model_at_end`` and the end-of-training pruning run after the
-pending commits (``_finalize_training`` drains first).
-
-``snapsvc_options={"overlap": True}``: ``_save_checkpoint`` returns before
-the parameters and optimizer state are copied; the trainer guards its
-optimizer so that the next step waits for the copy.
-
-Backpressure. A save needs a free slot; while every slot holds a checkpoint
-the sidecar is still writing, it waits (policy "block": as with the stock
-Trainer, no checkpoint is dropped). The first save that waits longer than it
-copies logs a warning with the write's figures and the knobs (``save_steps``,
-``nice``, ``slots``). On a CPU run the sidecar runs at training's priority
-(the writer's default ``nice``: see :class:`~snapsvc.SnapshotWriter`).
-
-Callbacks. ``on_save`` runs right after a save returns, and callbacks read
-``checkpoint-<N>`` there (transformers' ``WandbCallback``, ``MLflowCallback``,
-``ClearMLCallback``, ``NeptuneCallback`` and ``FlyteCallback`` upload it). When
-a callback overrides ``on_save``, the save waits until its directory is
-committed, so the callback finds it complete, as with the stock Trainer: such
-runs stall for the write; the default callbacks do not override it. Under
-torchrun the main process renames the directory, so only its callbacks are
-sure to see it (the integrations above upload from the main process only).
-
-Errors. A failed write (disk error, dead sidecar) removes its hidden
-directory and raises at the next save, or when training ends, as
-:class:`WriteFailedError`, :class:`BrokenWriterError` or (several
-processes) :class:`DistributedCheckpointError`, naming the checkpoint.
-``save_model``, the end of training and :meth:`close` wait for pending
-commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
-
-Several processes (torchrun, DDP). Each rank submits its part through its
-own sidecar with :class:`snapsvc.DistributedSnapshotWriter`: rank 0 (HF's
-main process) the model, optimizer, scheduler, scaler, trainer state and its
-RNG states, every other rank its RNG states, into
-``<output_dir>/.snapsvc-ranks/step_<N>/rank<r>.fdl``. That writer commits
-the step with its manifest once every rank's file is durable; then the main
-process writes HF's JSON files there, fsyncs them and renames the directory
-to ``checkpoint-<N>`` (same filesystem). On resume every rank loads rank 0's
-file and its own RNG states, as the stock Trainer loads ``model.safetensors``
-and ``rng_state_<r>.pth``. ``output_dir`` must be shared by the ranks.
-
-FSDP2 (accelerate's ``fsdp_version=2``). Parameters and optimizer state are
-DTensors on every rank, so every rank submits the whole state (model,
-optimizer, scheduler, scaler, trainer state, and every rank's RNG states,
-gathered into one list) with one structure; each rank stages its own shards
-(``DistributedSnapshotWriter.submit(state, step)``), into the same
-``.snapsvc-ranks/step_<N>`` directory, committed and renamed as above. A
-resume restores model, optimizer and scheduler in one
-:func:`snapsvc.restore_distributed` (resharded to this run's placements) and
-each rank's RNG states from that list: bit-exact at the same world size.
-accelerate 1.15 runs FSDP only on GPUs and other accelerators (on CPU it
-drops the plugin and the Trainer runs DDP); tests/test_hf_fsdp.py lifts that
-check to run this path on CPU with gloo.
-
-Not covered, each falling back to the stock (synchronous) save with a
-warning that says why: DeepSpeed, FSDP1, XLA, SageMaker MP, ``push_to_hub``,
-and runs of several processes that are not torch.distributed.
-"""
+"""SnapsvcTrainer: a drop-in ``transformers.Trainer`` whose saves go through a snapsvc
+sidecar, one ``submit()`` per checkpoint (see :mod:`snapsvc.integrations.transformers`)."""
 
 from __future__ import annotations
 
@@ -104,64 +9,33 @@ import functools
 import json
 import logging
 import os
-import random
 import shutil
 import weakref
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState, TrainerCallback
-from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from ..distributed import MANIFEST_NAME, DistributedSnapshotWriter, read_manifest, \
-    restore_distributed
-from ..engine.writer import SnapshotWriter, WriteHandle
-from ..state.readback import load
-from .hf_commit import STAGING_PREFIX, Commit, Committer
-from .wraps import wrap
+from ...distributed import MANIFEST_NAME, DistributedSnapshotWriter
+from ...engine.writer import SnapshotWriter, WriteHandle
+from ..wraps import wrap
+from .commit import STAGING_PREFIX, Commit, Committer
+from .resume import STATE_FILE, SnapsvcResume, rng_state
 
-__all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
+__all__ = ["SnapsvcTrainer", "STATE_FILE"]
 
 log = logging.getLogger("snapsvc")
 
-STATE_FILE = "snapsvc_state.fdl"
 _CONFIG_FILE = "config.json"
 _live: "weakref.WeakSet[SnapsvcTrainer]" = weakref.WeakSet()
 
 
-# -- RNG states as state-API values -------------------------------------------------
-def _rng_state(distributed: bool) -> dict[str, Any]:
-    """torch, cuda, python and numpy RNG states; numpy's key array becomes bytes."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (str(kind), np.asarray(keys, dtype="<u4").tobytes(), int(pos),
-                  int(has_gauss), float(cached)),
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():  # the shape the stock Trainer saves
-        state["cuda"] = (torch.cuda.random.get_rng_state_all() if distributed
-                         else torch.cuda.random.get_rng_state())
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], distributed: bool) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.frombuffer(keys, dtype="<u4").copy(), pos, has_gauss, cached))
-    torch.random.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
-        set_rng_state_for_device("CUDA", torch.cuda, state, distributed)
-
-
-class SnapsvcTrainer(Trainer):
+class SnapsvcTrainer(SnapsvcResume, Trainer):
     """``transformers.Trainer`` whose checkpoints are written by a snapsvc sidecar.
 
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
@@ -288,7 +162,7 @@ class SnapsvcTrainer(Trainer):
         else:
             # As the stock Trainer: the main process saves model, optimizer, scheduler,
             # scaler and trainer state; every rank its RNG states.
-            state = self._snapsvc_state(self.args.should_save, _rng_state(distributed))
+            state = self._snapsvc_state(self.args.should_save, rng_state(distributed))
         files: list[str] = []
         handle: WriteHandle | None = None
         try:
@@ -345,7 +219,7 @@ class SnapsvcTrainer(Trainer):
         if self.args.save_only_model:
             return self._snapsvc_state(True, None)   # no RNG states: nothing to gather
         rng: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(rng, _rng_state(distributed))
+        torch.distributed.all_gather_object(rng, rng_state(distributed))
         return self._snapsvc_state(True, rng)
 
     def _snapsvc_on_save_reads(self) -> bool:
@@ -420,115 +294,6 @@ class SnapsvcTrainer(Trainer):
         if self._snapsvc_distributed and self.snapsvc_writer is not None:
             torch.distributed.barrier()   # the main process has renamed the last one
         return super()._finalize_training(trial, num_train_samples, start_time)
-
-    # -- loading --------------------------------------------------------------------
-    def _snapsvc_file(self, checkpoint: str, key: str) -> str:
-        """The file holding ``key``: the state file, or in a multi-rank checkpoint the main
-        process's (rank 0) and for RNG states this rank's."""
-        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-            return os.path.join(checkpoint, STATE_FILE)
-        rank = self.args.process_index if key == "rng" else 0
-        return os.path.join(checkpoint, f"rank{rank}.fdl")
-
-    def _snapsvc_take(self, checkpoint: str, key: str, fresh: bool = False) -> Any:
-        """``key`` of ``checkpoint`` (None if absent), handed out once: a file is read at
-        the start of a resume (``fresh``) and kept until the RNG state is taken."""
-        path = self._snapsvc_file(checkpoint, key)
-        if not os.path.isfile(path):
-            return None    # a rank of a run with more processes than the saving one
-        if fresh or self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path:
-            self._snapsvc_loaded = (path, load(path))
-        return self._snapsvc_loaded[1].pop(key, None)
-
-    @staticmethod
-    def _snapsvc_ours(checkpoint: str | None) -> bool:
-        return checkpoint is not None and any(
-            os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
-
-    @staticmethod
-    def _snapsvc_sharded(checkpoint: str) -> bool:
-        """Whether ``checkpoint`` is an FSDP2 one: every rank's shards of one whole state."""
-        return os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)) and \
-            (read_manifest(checkpoint).sharded or {}).get("state") is not None
-
-    def _snapsvc_restore(self, checkpoint: str, model: torch.nn.Module) -> None:
-        """An FSDP2 checkpoint into ``model`` and, once they exist, the optimizer,
-        scheduler and scaler (resharded to this run's placements, at any world size);
-        keeps the saved RNG states for :meth:`_load_rng_state`."""
-        targets: dict[str, Any] = {"model": model}
-        if self.optimizer is not None and self.lr_scheduler is not None:
-            targets.update(optimizer=self.optimizer, scheduler=self.lr_scheduler)
-            scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
-                targets["scaler"] = scaler
-        report = restore_distributed(checkpoint, targets)
-        if report.missing:   # as the stock Trainer, which warns of missing keys
-            log.warning("snapsvc: %s lacks %s; they keep their values", checkpoint,
-                        report.missing)
-        if "optimizer" in targets:
-            self._snapsvc_loaded = (checkpoint, {"rng": report.state.get("rng")})
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str,
-                              model: torch.nn.Module | None = None) -> None:
-        if not self._snapsvc_ours(resume_from_checkpoint):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        model = self.model if model is None else model
-        log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
-        if self._snapsvc_sharded(resume_from_checkpoint):
-            return self._snapsvc_restore(resume_from_checkpoint, model)
-        self._issue_warnings_after_load(
-            model.load_state_dict(self._snapsvc_take(resume_from_checkpoint, "model", fresh=True),
-                                  False))
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if not self._snapsvc_ours(best):
-            return super()._load_best_model()
-        log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
-        if self._snapsvc_sharded(best):
-            restore_distributed(best, {"model": self.model})
-            return
-        weights = self._snapsvc_take(best, "model", fresh=True)
-        self._issue_warnings_after_load(self.model.load_state_dict(weights, False))
-        self._snapsvc_loaded = None
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._snapsvc_ours(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        if self._snapsvc_sharded(checkpoint):
-            if self._snapsvc_loaded is None or self._snapsvc_loaded[0] != checkpoint:
-                self._snapsvc_restore(checkpoint, self.model)   # the model is its names' source
-            return
-        optimizer = self._snapsvc_take(checkpoint, "optimizer")
-        scheduler = self._snapsvc_take(checkpoint, "scheduler")
-        if optimizer is not None and scheduler is not None:  # absent: save_only_model
-            self.optimizer.load_state_dict(optimizer)
-            self.lr_scheduler.load_state_dict(scheduler)
-
-    def _load_scaler(self, checkpoint: str | None) -> None:
-        if not self._snapsvc_ours(checkpoint):
-            return super()._load_scaler(checkpoint)
-        if self._snapsvc_sharded(checkpoint):
-            return   # restored with the optimizer
-        scaler = self._snapsvc_take(checkpoint, "scaler")
-        if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
-            self.accelerator.scaler.load_state_dict(scaler)
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self._snapsvc_ours(checkpoint):
-            return super()._load_rng_state(checkpoint)
-        if self._snapsvc_sharded(checkpoint):
-            every = (self._snapsvc_loaded or ("", {}))[1].get("rng") or []
-            rank = self.args.process_index   # every rank's, gathered at the save
-            rng = every[rank] if rank < len(every) else None
-        else:
-            rng = self._snapsvc_take(checkpoint, "rng")
-        self._snapsvc_loaded = None   # the last piece a resume needs
-        if rng is None:
-            log.info("snapsvc: %s holds no RNG state for this rank (save_only_model, or a "
-                     "rank the saving run did not have); resuming is not bit-exact", checkpoint)
-            return
-        _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
 
 
 def _stock_load(original: Any) -> Any:

@@ -24,10 +24,10 @@ import time
 
 from transformers.trainer_utils import rotate_checkpoints
 
-from ..engine.writer import WriteHandle
-from ..errors import BrokenWriterError, DistributedCheckpointError, SnapsvcError, \
+from ...engine.writer import WriteHandle
+from ...errors import BrokenWriterError, DistributedCheckpointError, SnapsvcError, \
     WriteFailedError
-from ..files.durable import fsync_dir
+from ...files.durable import fsync_dir
 
 __all__ = ["STAGING_PREFIX", "Commit", "Committer"]
 

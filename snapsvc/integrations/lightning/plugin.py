@@ -1,0 +1,352 @@
+"""``SnapsvcCheckpointIO`` itself: save, load, remove, teardown (``snapsvc.integrations.lightning``).
+
+Paths. Lightning's paths resolve against the working directory, as with its
+own IO; ``file://`` URLs are local paths. Other URLs (``s3://``, ``gs://``)
+are refused with :class:`~snapsvc.errors.PathError` when ``fit`` starts
+(a ``ModelCheckpoint`` directory), and at save, load and removal: they
+belong to a remote tier (a ``remote=`` option), which this version does not
+have, and writing them under a local folder named ``s3:`` would lose them.
+A symlink (``ModelCheckpoint(save_last="link")``) is read through to the
+checkpoint it points at.
+
+Overlap (``SnapsvcCheckpointIO(overlap=True)``). ``save_checkpoint``
+copies the parameters, buffers and everything else at once, and returns
+before each optimizer's per-parameter state (Adam's moments: two thirds of
+an AdamW checkpoint) is copied; that copy runs on behind the next step.
+Each optimizer of the fitting trainer gets ``SnapshotWriter.guard``: its
+next ``step`` waits for the copy. Lightning calls ``step`` with a closure
+that runs ``training_step`` and the backward (automatic optimization) or
+nothing (``self.optimizers().step()``, manual optimization); for torch's own
+optimizers the wait comes at the end of that closure, after the forward and
+backward, before the optimizer writes its state. An optimizer whose class
+has its own ``step`` waits before the step starts. Batches that accumulate
+gradients do not step, so the copy runs on through them. Only the
+optimizer's step writes its per-parameter state, which is why only that
+part waits: parameters change outside a step too (``StochasticWeightAveraging``
+and EMA callbacks write them in their hooks), as BatchNorm's buffers do in
+every forward. A save outside ``fit`` (``trainer.save_checkpoint`` after
+it) copies everything before it returns. Loads, removals and ``teardown``
+wait for pending copies as for pending writes.
+
+Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
+0's pending write of that path, then for every rank (``torch.distributed``
+barrier), so no rank reads before the file is whole; Lightning has every
+rank load a checkpoint, as this needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ...engine.writer import SnapshotWriter, WriteHandle
+from ...errors import FormatError, PathError
+from ...files.checkpoint import checkpoint_version
+from ...state.readback import load
+from ...state.resume import checkpoint_files
+from ...state.tree import StepState
+from .hparams import decode_hparams, encode_hparams
+
+__all__ = ["SnapsvcCheckpointIO", "is_snapsvc_file", "local_path", "read"]
+
+log = logging.getLogger("snapsvc")
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class SnapsvcCheckpointIO:
+    """A Lightning ``CheckpointIO`` plugin that writes through a snapsvc sidecar.
+
+    ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
+    the module docstring); the sidecar starts
+    at the first save and stops at ``teardown`` (the end of each ``fit``).
+    ``timeout``: seconds that a load, a removal or the teardown waits for
+    pending writes. A failed write raises on the next ``save_checkpoint``,
+    load or ``teardown``, once.
+
+    Lightning's checkpoint dict is stored as it is, hyper-parameters as
+    :mod:`~snapsvc.integrations.lightning.hparams` lists. Loads never unpickle, so ``weights_only`` has no
+    effect and a file Lightning's default IO wrote (a pickle) is refused with
+    ``FormatError``; tensors load on the CPU unless ``map_location`` names a
+    device.
+    """
+
+    def __init__(self, *, timeout: float = 600.0, **writer_options: Any) -> None:
+        if "keep_last" in writer_options:
+            raise ValueError("SnapsvcCheckpointIO does not take keep_last: retention belongs to "
+                             "ModelCheckpoint (save_top_k, save_last), which lists the files it keeps, "
+                             "the best one included; a writer pruning beside it deletes them")
+        # Lightning records every saved path (best_model_path, top-k): a dropped
+        # snapshot or a copy still running after save returns would be a silent loss.
+        if writer_options.get("policy", "block") != "block":
+            raise ValueError(f"SnapsvcCheckpointIO needs policy='block', got "
+                             f"{writer_options['policy']!r}: Lightning expects every save to land")
+        SnapshotWriter(**writer_options)  # bad options fail here, not at the first save (starts nothing)
+        self.timeout = timeout
+        self._options = writer_options
+        self._writer: SnapshotWriter | None = None
+        self._handles: list[WriteHandle] = []
+        # path -> its removal, until its files are gone (see remove_checkpoint)
+        self._doomed: dict[str, _Removal] = {}
+        self._lock = threading.Lock()   # _doomed: the removals' thread changes it too
+        # one thread runs the removals, in turn, started at the first: not a thread
+        # per removal, whose start() waits until the new thread is scheduled
+        self._removals: queue.SimpleQueue[_Removal | None] = queue.SimpleQueue()
+        self._remover: threading.Thread | None = None
+        self._trainer: Callable[[], Any] | None = None  # weakref to the fitting trainer (overlap)
+        self._guards: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step hook)
+
+    @property
+    def writer(self) -> SnapshotWriter | None:
+        """The running sidecar's client (None before the first save and after teardown)."""
+        return self._writer
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        """Stage ``checkpoint`` for ``path`` and return; the sidecar writes it."""
+        if storage_options is not None:
+            raise TypeError(f"SnapsvcCheckpointIO.save_checkpoint takes no storage_options, got "
+                            f"{storage_options!r}; pass writer options to SnapsvcCheckpointIO() instead")
+        path = local_path(path)
+        self._settle(path)   # a removal of this path behind its old write: done first
+        self._raise_failed()
+        checkpoint = encode_hparams(checkpoint)
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
+        if self._writer is None:
+            self._writer = SnapshotWriter(**self._options).start()
+        if self._writer.overlap and self._guard_optimizers():
+            checkpoint = _mark_step_state(checkpoint)
+        self._handles.append(self._writer.submit(checkpoint, path))
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The dict saved at ``path``, once any pending write to it is done (on every rank)."""
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise TypeError(f"SnapsvcCheckpointIO.load_checkpoint: map_location must be None, a str or "
+                            f"a torch.device, got {type(map_location).__name__}")
+        path = local_path(path)
+        self._wait(path)
+        _all_ranks_here()
+        self._raise_failed()
+        return read(path, map_location)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove every file of the checkpoint at ``path``, on a thread of its own.
+
+        Neither a write to ``path`` still in the sidecar nor the removal itself
+        is waited for: ``ModelCheckpoint`` drops a top-k file right after the
+        next save, often while it is still being written, and unlinking a large
+        file that was written durably can take as long as copying it (a file
+        system that discards the freed blocks). The files go once written; from
+        now on ``path`` exists for nobody (:meth:`pending` is False; a save or
+        load of it, and ``teardown``, first finish the removal, and raise its
+        error). A symlink is removed, not what it points at (as Lightning's own
+        IO does)."""
+        path = local_path(path)
+        writes = [h for h in self._handles if h.path == path and not h.done()]
+        removal = _Removal(path, writes[-1] if writes else None)
+        with self._lock:
+            if path in self._doomed:  # removed already, not saved since (a save settles it first)
+                return
+            self._doomed[path] = removal
+            if self._remover is None:   # a daemon: teardown finishes what it has not
+                self._remover = threading.Thread(target=self._remove_all, args=(self._removals,),
+                                                 name="snapsvc-remove", daemon=True)
+                self._remover.start()
+            self._removals.put(removal)
+
+    def _remove_all(self, removals: "queue.SimpleQueue[_Removal | None]") -> None:
+        """The removals' thread: each removal in turn, until teardown's None."""
+        while (removal := removals.get()) is not None:
+            self._bury(removal, False)
+
+    def _bury(self, removal: _Removal, raise_error: bool = True) -> None:
+        """Run ``removal`` (or wait for the thread running it); forget it once its files are gone.
+        A failed one stays due, so the next save or load of its path and ``teardown`` raise it."""
+        try:
+            removal.run(self.timeout)
+        except Exception as e:
+            if not raise_error:
+                log.warning("snapsvc: removing %s failed (raised at its next save or load, or at "
+                            "teardown): %s", removal.path, e)
+                return
+            if removal.finished:  # raised once; a write still pending keeps it due
+                self._forget(removal)
+            raise
+        self._forget(removal)
+
+    def _forget(self, removal: _Removal) -> None:
+        with self._lock:
+            if self._doomed.get(removal.path) is removal:
+                del self._doomed[removal.path]
+
+    def _settle(self, path: str) -> None:
+        """Finish a removal of ``path`` now: wait for its write, then remove."""
+        removal = self._doomed.get(path)
+        if removal is not None:
+            self._bury(removal)
+
+    def teardown(self) -> None:
+        """Drain pending writes and stop the sidecar; raise the first failed write."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.finish(timeout=self.timeout)  # overlap copies finish first
+            for removal in list(self._doomed.values()):  # written now: removed here or by their thread
+                self._bury(removal)
+        finally:
+            with self._lock:   # its thread stops once through what it holds (done by now)
+                if self._remover is not None:
+                    self._removals.put(None)
+                    self._remover = None
+            for _, hook in self._guards:
+                hook.remove()
+            self._guards = []
+        self._raise_failed()
+
+    def pending(self, path: str | os.PathLike[str]) -> bool:
+        """Whether a write to ``path`` is still in the sidecar."""
+        path = local_path(path)
+        return path not in self._doomed and any(h.path == path and not h.done()
+                                                for h in self._handles)
+
+    def removing(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` was removed while its write is still landing (gone once written)."""
+        return local_path(path) in self._doomed
+
+    def _guard_optimizers(self) -> bool:
+        """Overlap mode: guard every optimizer of the fitting trainer (once each), so
+        that its next step waits for this save's copy. False when there is no such
+        trainer (a save outside ``fit``) or an optimizer is not a torch one: then
+        the whole checkpoint is copied before ``save_checkpoint`` returns."""
+        trainer = self._trainer() if self._trainer is not None else None
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            return False
+        guarded = {id(o) for o, _ in self._guards}
+        for opt in optimizers:
+            if id(opt) not in guarded:
+                self._guards.append((opt, self._writer.guard(opt)))
+        return True
+
+    def _wait(self, path: str) -> None:
+        self._settle(path)
+        if self._writer is not None:
+            for name in {path, os.path.realpath(path)}:  # a link's target may be the pending one
+                self._writer.wait_path(name, timeout=self.timeout)
+
+    def _raise_failed(self) -> None:
+        """Raise the first failed write (each only once); forget finished ones."""
+        done = [h for h in self._handles if h.done()]  # once: a handle may finish meanwhile
+        self._handles = [h for h in self._handles if h not in done]
+        failed = [h for h in done if h.exception() is not None]
+        for h in failed[1:]:
+            log.error("snapsvc: checkpoint %s failed too: %s", h.path, h.exception())
+        if failed:
+            raise failed[0].exception()
+
+
+def _remove_files(path: str) -> None:
+    for name in checkpoint_files(path):  # metadata first
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
+
+
+class _Removal:
+    """Removing the files of the checkpoint at ``path`` once ``write`` (its write still
+    in the sidecar, or None) is done, by whichever thread comes first; the others wait."""
+
+    def __init__(self, path: str, write: WriteHandle | None) -> None:
+        self.path = path
+        self.write = write
+        self._claim = threading.Lock()   # taken once, never released: by the remover
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the files were removed, or their removal failed."""
+        return self._finished.is_set()
+
+    def run(self, timeout: float) -> None:
+        """Remove the files, or wait up to ``timeout`` s for the thread removing them;
+        raise the removal's error (a failed write is raised by the plugin, not here)."""
+        if self.write is not None:
+            self.write.exception(timeout=timeout)
+        if self._claim.acquire(blocking=False):
+            try:
+                _remove_files(self.path)
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._finished.set()
+        elif not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.path}: its removal did not finish within {timeout} s "
+                               "(SnapsvcCheckpointIO(timeout=...))")
+        if self._error is not None:
+            raise self._error
+
+
+def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` (a copy of Lightning's) with each optimizer's per-parameter state
+    marked as written only by its step, the part overlap mode copies behind the next
+    step. The parameters, buffers and the rest are copied before the save returns:
+    they change outside a step too (BatchNorm in a forward, weight averaging and EMA
+    callbacks in their hooks, a scheduler's tensor ``lr`` in ``param_groups``)."""
+    states = checkpoint.get("optimizer_states")
+    if isinstance(states, list):
+        checkpoint["optimizer_states"] = [
+            {**s, "state": StepState(s["state"])} if type(s) is dict and "state" in s else s
+            for s in states]  # a dict, as state_dict() gives it: stored as the same type
+    return checkpoint
+
+
+def is_snapsvc_file(path: Any) -> bool:
+    """Whether ``path`` is a local ``.fdl`` file (its magic and version read)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    try:
+        checkpoint_version(local_path(path))
+    except (OSError, FormatError, PathError):
+        return False
+    return True
+
+
+# -- paths ------------------------------------------------------------------------------------
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """The absolute local path Lightning means; a URL other than ``file://`` is refused."""
+    text = os.fspath(path)
+    url = _URL.match(text)
+    if url and url.group(1).lower() == "file":
+        text = text[url.end():]
+    elif url:
+        raise PathError(f"{text}: SnapsvcCheckpointIO writes to the local file system, and "
+                        f"{url.group(1)}:// is not one. URLs go to snapsvc's remote tier through its "
+                        "remote= option, which this version does not have: give ModelCheckpoint a local "
+                        "dirpath (Lightning's default IO writes URLs through fsspec)")
+    return os.path.abspath(text)
+
+
+def read(path: str, device: str | torch.device | None) -> dict[str, Any]:
+    """The checkpoint at ``path`` (a link read through), hyper-parameters decoded, on ``device``."""
+    state = decode_hparams(load(os.path.realpath(path)))
+    if device is None:
+        return state
+    from lightning_utilities.core.apply_func import apply_to_collection
+    return apply_to_collection(state, torch.Tensor, lambda t: t.to(device))
+
+
+def _all_ranks_here() -> None:
+    """A barrier over the default process group, when there is one of more than one rank."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
