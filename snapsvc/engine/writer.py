@@ -37,65 +37,69 @@ log = logging.getLogger("snapsvc")
 
 POLICIES = ("block", "skip", "latest")
 
+# option -> (is this value accepted?, what is) for the constructor's arguments
+_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "slots": (lambda v: v >= 1, ">= 1"),
+    "policy": (lambda v: v in POLICIES, f"one of {POLICIES}"),
+    "keep_last": (lambda v: v is None or v >= 1, ">= 1 or None"),
+    "compress_level": (lambda v: v is None or 0 <= v <= 3, "0..3 (isal's levels) or None"),
+    "nice": (lambda v: v is None or 0 <= v <= 19, "0..19 or None"),
+    "incremental": (lambda v: v in (False, True, "check"), "False, True or 'check'"),
+    "max_slot_bytes": (lambda v: v is None or v >= 1, ">= 1 or None"),
+}
+
+
+def _check_options(**values: Any) -> None:
+    """Refuse a constructor argument out of its range, naming what is accepted."""
+    for name, value in values.items():
+        ok, expected = _OPTIONS[name]
+        if not ok(value):
+            raise ValueError(f"{name} must be {expected}, got {value!r}")
+
 
 class SnapshotWriter:
     """Owns one writer sidecar process and the shared-memory slots it reads.
 
-    ``directory``: base for relative paths (created if missing); directories
-    inside a path are created at submit. ``slots``: snapshots in flight
-    (memory is ``slots x snapshot bytes``); a layout whose names change takes
-    the slots that hold it, busy or not, before new memory (see
-    :mod:`snapsvc.engine.pools`); pools of layouts the last submit did not use
-    are freed once idle, and ``max_slot_bytes`` caps all slots together.
-    ``policy`` when every slot is busy: ``"block"`` waits (up to submit's
-    ``timeout``), ``"skip"`` drops this snapshot,
-    ``"latest"`` replaces the newest queued, unstarted one.
-    ``keep_last``: per directory, keep the newest N files of each series this
-    writer wrote, a series being the names that differ only in their digits
-    (``step100.fdl``, ``step200.fdl``); ``best.fdl`` is a series of its own.
-    ``compress_level``: isal gzip level for ``.gz`` paths. ``restart``: a
-    dead sidecar is restarted by the next submit. ``drain_timeout``: how
-    long an interpreter exit without :meth:`close` waits for queued writes.
-    ``sigterm``: turn SIGTERM (when its handler is still the default) into
-    ``SystemExit`` so ``with`` blocks and the exit drain run; the handler is
-    put back when the last writer closes. ``overlap``: submit() returns once
-    the copy is enqueued (see :mod:`snapsvc.engine.copier`); pair it with
-    :meth:`guard`. The WRITE message then leaves after the copy, so a trainer
-    SIGKILLed in that window loses that snapshot, which blocking mode never
-    does. ``incremental``: a model's submit skips the frozen
-    parameters (``requires_grad=False``, no ``.grad``, their storage their
-    own) that the slot already holds unchanged (same storage pointer and
-    ``_version``); buffers and trainable parameters are always copied, since
-    kernels such as BatchNorm's and the fused optimizers' do not bump
-    ``_version``. Opt-in, because a frozen parameter written through
-    ``p.data`` or a tensor sharing its memory is missed; ``"check"``
-    verifies every skipped tensor and logs any such miss (see
-    :mod:`snapsvc.engine.copier`). ``stats()["staged_bytes"]``
-    counts what was copied. ``nice``: added to the sidecar's nice value; None (the default) is 10
-    where this process has initialized CUDA when the sidecar starts (training
-    then leaves CPU to spare, and the writer yields it), else 0: a CPU run keeps
-    every core busy, and a niced sidecar falls behind the saves until they wait
-    for a free slot (``WriteReport.slot_wait_s``). ``fault_hook``: for
-    tests, a picklable ``hook(stage, path)`` run inside the sidecar (see
-    :func:`snapsvc.files.durable.set_fault_hook`); it must be importable
-    from a module, as the sidecar never imports ``__main__``.
-    ``start_method``: deprecated and ignored (a ``DeprecationWarning``): the
-    sidecar is always a fresh interpreter (:mod:`snapsvc.engine.link`),
-    never a ``multiprocessing`` child, whatever was asked.
+    Args:
+        directory: base of relative paths (made if missing; a path's own
+            directories are made at submit).
+        slots: snapshots in flight; memory is about ``slots x snapshot bytes``
+            (:mod:`snapsvc.engine.pools`). ``max_slot_bytes`` caps all slots.
+        policy: when every slot is busy, ``"block"`` waits (up to submit's
+            ``timeout``), ``"skip"`` drops this snapshot, ``"latest"`` replaces
+            the newest queued, unstarted one.
+        keep_last: per directory, keep the newest N files of each series this
+            writer wrote: names that differ only in digits (``step100.fdl``,
+            ``step200.fdl``); ``best.fdl`` is a series of its own.
+        compress_level: isal gzip level (0-3) for ``.gz`` paths.
+        restart: a dead sidecar is restarted by the next submit.
+        drain_timeout: how long an interpreter exit without :meth:`close`
+            waits for queued writes.
+        sigterm: turn SIGTERM (while its handler is the default) into
+            ``SystemExit``, so ``with`` blocks and the exit drain run.
+        overlap: ``submit()`` returns once the copy is enqueued; pair it with
+            :meth:`guard` (:mod:`snapsvc.engine.copier`). A trainer SIGKILLed
+            before the copy ends loses that snapshot; blocking mode never does.
+        incremental: skip frozen parameters the slot holds unchanged; ``"check"``
+            verifies each skip (:mod:`snapsvc.engine.copier` says what it misses).
+        nice: the sidecar's nice increment; None is 10 beside a process that
+            has initialized CUDA, else 0 (a niced sidecar starves beside CPU
+            training, and saves then wait for a free slot).
+        fault_hook: for tests, an importable ``hook(stage, path)`` run in the
+            sidecar (:func:`snapsvc.files.durable.set_fault_hook`).
+        start_method: deprecated and ignored: the sidecar is always a fresh
+            interpreter (:mod:`snapsvc.engine.link`).
+        remote: a second tier, ``s3://``/``gs://``/``az://`` or a mounted
+            directory; each durable checkpoint is copied there by the sidecar,
+            ``.meta`` last (:mod:`snapsvc.remote.upload`); ``handle.uploaded()``
+            says when. Credentials come from the environment.
+        remote_keep_last: rotates the remote tier as ``keep_last`` does the local.
+        remote_timeout: how long one upload may take, retries included, and
+            how long :meth:`close` waits for uploads.
+        remote_options: passed to obstore's ``from_url``.
 
-    ``remote``: a second tier, a URL (``s3://bucket/prefix``, ``gs://``,
-    ``az://``; ``pip install 'snapsvc[remote]'``) or a directory on a mounted
-    filesystem. Once a checkpoint is durable locally, the sidecar copies each
-    of its files to the same path relative to ``directory`` under ``remote``,
-    ``.meta`` last (see :mod:`snapsvc.remote.upload`); ``handle.uploaded()``
-    says when. Credentials and endpoint come from the environment
-    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...) or the engine's chain;
-    ``remote_options`` go to obstore's ``from_url``. ``remote_keep_last``
-    rotates the remote tier as ``keep_last`` does the local one.
-    ``remote_timeout``: how long one checkpoint's upload may take, retries
-    included, and how long :meth:`close` waits for uploads.
-
-    Every public method may be called from any thread.
+    ``stats()["staged_bytes"]`` counts what was copied. Every public method
+    may be called from any thread.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,
@@ -108,20 +112,9 @@ class SnapshotWriter:
                  remote: str | os.PathLike[str] | None = None,
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
                  remote_options: Mapping[str, Any] | None = None) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if compress_level is not None and not 0 <= compress_level <= 3:
-            raise ValueError(f"compress_level must be 0..3 (isal's levels), got {compress_level}")
-        if nice is not None and not 0 <= nice <= 19:
-            raise ValueError(f"nice must be 0..19 or None, got {nice}")
-        if incremental not in (False, True, "check"):
-            raise ValueError(f"incremental must be False, True or 'check', got {incremental!r}")
-        if max_slot_bytes is not None and max_slot_bytes < 1:
-            raise ValueError(f"max_slot_bytes must be >= 1 or None, got {max_slot_bytes}")
+        _check_options(slots=slots, policy=policy, keep_last=keep_last,
+                       compress_level=compress_level, nice=nice, incremental=incremental,
+                       max_slot_bytes=max_slot_bytes)
         self.directory = os.path.abspath(directory) if directory is not None else None
         self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout)
         self.slots = slots
@@ -354,10 +347,10 @@ class SnapshotWriter:
             counts, pending, stalls = self._book.figures()
             slot_bytes = self._pools.nbytes
             slot_count = sum(1 for _ in self._pools)
-
-        def pct(q: float) -> float:
-            return stalls[min(len(stalls) - 1, int(q * len(stalls)))] if stalls else 0.0
-
         return {**counts, "pending": pending, "slot_bytes": slot_bytes, "slots": slot_count,
-                "stall_p50_s": pct(0.50), "stall_p99_s": pct(0.99),
+                "stall_p50_s": _percentile(stalls, 0.50), "stall_p99_s": _percentile(stalls, 0.99),
                 "stall_max_s": stalls[-1] if stalls else 0.0, "pid": self.pid}
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
