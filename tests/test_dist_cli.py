@@ -115,6 +115,23 @@ def test_consolidate_writes_the_format_its_suffix_names(world1, tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_consolidate_draws_progress_only_on_a_terminal(world1, tmp_path, monkeypatch, capsys):
+    import io
+
+    class TTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = TTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["consolidate", str(world1 / "step_1"), str(tmp_path / "a.fdl")]) == 0
+    assert "reading:" in tty.getvalue() and "writing:" in tty.getvalue()   # tqdm's bars
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert main(["consolidate", str(world1 / "step_1"), str(tmp_path / "b.fdl")]) == 0
+    assert sys.stderr.getvalue() == ""
+    assert capsys.readouterr().out.split() == [str(tmp_path / "a.fdl"), str(tmp_path / "b.fdl")]
+
+
 def test_consolidate_refuses_a_suffix_it_cannot_write(world1, tmp_path, capsys):
     assert main(["consolidate", str(world1 / "step_1"), str(tmp_path / "whole.bin")]) == 2
     assert "whole.bin" in capsys.readouterr().err

@@ -6,7 +6,7 @@ is a function ``run(args) -> int`` plus a function that adds its arguments.
 
 Output goes to stdout; errors go to stderr as one line ``snapsvc: error:
 ...`` (exit 2 for usage, 1 for failures), never a traceback unless
-``--debug``. The progress bar is drawn on stderr only when it is a terminal.
+``--debug``. Progress (tqdm's bar) is drawn on stderr only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import argparse
 import logging
 import re
 import sys
-import time
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import Callable
+
+from tqdm import tqdm
 
 from .. import __version__
 from ..errors import SnapsvcError
@@ -138,59 +139,42 @@ def _error(message: str) -> None:
 
 
 class ProgressBar:
-    """A one-line progress bar, drawn only when ``stream`` (stderr) is a terminal.
+    """tqdm's bar on stderr, as a :data:`snapsvc.files.tensors.Progress` callback:
+    ``bar(phase, done, total)``; each new phase starts a bar of its own. tqdm draws
+    only on a terminal (``disable=None``). ``unit="B"`` counts bytes (KiB, MiB...)."""
 
-    Call it as a :data:`snapsvc.files.convert.Progress`: ``bar(phase, done, total)``.
-    ``unit="B"`` shows byte counts, anything else plain counts.
-    """
-
-    def __init__(self, stream: TextIO | None = None, *, unit: str = "B", width: int = 28,
-                 interval: float = 0.1) -> None:
-        self.stream = sys.stderr if stream is None else stream
-        try:
-            self.enabled = bool(self.stream.isatty())
-        except (AttributeError, ValueError):
-            self.enabled = False
+    def __init__(self, *, unit: str = "B") -> None:
         self.unit = unit
-        self.width = width
-        self.interval = interval
-        self._last = 0.0
-        self._drawn = False
-
-    def _count(self, n: int) -> str:
-        return human_bytes(n) if self.unit == "B" else str(n)
+        self._bar: tqdm | None = None
+        self._phase = ""
 
     def __call__(self, phase: str, done: int, total: int | None) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        final = total is not None and done >= total
-        if self._drawn and not final and now - self._last < self.interval:
-            return
-        self._last = now
-        if total:
-            frac = min(max(done / total, 0.0), 1.0)
-            fill = int(frac * self.width)
-            text = (f"{phase} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} "
-                    f"{self._count(done)}/{self._count(total)}")
-        else:
-            text = f"{phase} {self._count(done)}"
-        self.stream.write(f"\r{text}\x1b[K")
-        self.stream.flush()
-        self._drawn = True
+        bar = self._bar
+        if bar is None or self._phase != phase:
+            self.close()
+            self._phase = phase
+            bar = self._bar = tqdm(desc=phase, total=total, unit=self.unit, disable=None,
+                                   unit_scale=self.unit == "B", unit_divisor=1024,
+                                   leave=False, file=sys.stderr, dynamic_ncols=True)
+        elif total is not None and bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
 
     def clear(self) -> None:
-        """Erase the bar (before printing a line to the same terminal)."""
-        if self._drawn:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self._drawn = False
+        """Erase the bar before a line is printed to the same terminal."""
+        if self._bar is not None:
+            self._bar.clear()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def __enter__(self) -> "ProgressBar":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.clear()
+        self.close()
 
 
 def _configure_logging(verbose: bool, debug: bool) -> None:

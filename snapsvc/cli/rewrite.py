@@ -125,5 +125,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         file_format(args.dst)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(consolidate(args.step_dir, args.dst))
+    with ProgressBar() as bar:
+        dst = consolidate(args.step_dir, args.dst, progress=bar)
+    print(dst)
     return EXIT_OK

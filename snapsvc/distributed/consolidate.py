@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import torch
 
@@ -12,6 +13,7 @@ from ..files.checkpoint import layout_hash
 from ..errors import FormatError
 from ..files.convert import TensorFile, file_format, write_tensors
 from ..files.meta import Meta, optim_path, read_meta, write_with_meta
+from ..files.tensors import Progress, _no_progress
 from .manifest import read_manifest
 from .pieces import _PieceReader, _globals, _sizes, _user_extra
 
@@ -21,7 +23,7 @@ log = logging.getLogger("snapsvc")
 
 
 def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-                compress_level: int | None = None) -> str:
+                compress_level: int | None = None, progress: Progress | None = None) -> str:
     """Write a sharded checkpoint's full, unsharded model as one file, in the format
     ``dst``'s suffix names.
 
@@ -40,8 +42,10 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     :func:`snapsvc.convert_file` writes them (the structural hash in
     ``.safetensors``' metadata); the optimizer state, epoch, metrics and extra
     are not written, and a warning says so. Any other suffix is a
-    ``ValueError`` before anything is read.
+    ``ValueError`` before anything is read. ``progress(phase, done, total)`` is
+    told the bytes assembled ("reading") and written ("writing").
     """
+    progress = progress or _no_progress
     kind = file_format(dst)   # an unknown suffix: refused before any work
     m = read_manifest(step)
     if m.sharded is None:
@@ -52,28 +56,41 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                          "'model', or the only module among the top-level values), so there "
                          "is nothing for one model file")
     saved = _globals(m)
+    info = m.sharded.get("optimizer")
+    wanted = m.sharded["params"] + m.sharded["buffers"] + (
+        [n for n, g in saved.items() if g.kind == "optim"] if info else [])
+    total = sum(math.prod(g.shape) * g.dtype.itemsize for n, g in saved.items() if n in wanted)
+    done = 0
 
     def whole(names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        nonlocal done
         missing = [n for n in names if n not in saved]
         if missing:
             raise FormatError(f"no pieces of {missing[:5]} in any rank's file", path=m.path)
-        return [(n, reader.assemble(saved[n], [0] * len(saved[n].shape), saved[n].shape))
-                for n in names]
+        out = []
+        for n in names:
+            g = saved[n]
+            out.append((n, reader.assemble(g, [0] * len(g.shape), g.shape)))
+            done += math.prod(g.shape) * g.dtype.itemsize
+            progress("reading", done, total)
+        return out
 
     dst = os.path.abspath(os.fspath(dst))
     with _PieceReader(_sizes(m), True) as reader:
         params, buffers = whole(m.sharded["params"]), whole(m.sharded["buffers"])
-        info = m.sharded.get("optimizer")
         optim = whole([n for n, g in saved.items() if g.kind == "optim"]) if info else None
     meta0 = read_meta(os.path.join(m.path, m.ranks[0].file))
     if kind != "fdl":
         log.warning("%s: a .%s file holds the model's tensors only; the optimizer state, "
                     "epoch, metrics and extra are kept in .fdl only", dst, kind)
-        write_tensors(dst, TensorFile(params + buffers, layout_hash(params, buffers)))
+        write_tensors(dst, TensorFile(params + buffers, layout_hash(params, buffers)),
+                      progress=progress)
         return dst
     meta = Meta(buffers=[n for n, _ in buffers], epoch=int(m.epoch or 0), metrics=m.metrics,
                 structural_hash=layout_hash(params, buffers), extra=_user_extra(meta0.extra),
                 optimizer=info)
+    progress("writing", 0, total)
     write_with_meta(dst, params + buffers, meta, compress_level=compress_level,
                     optim=None if optim is None else (optim_path(dst), optim))
+    progress("writing", total, total)
     return dst
