@@ -97,10 +97,12 @@ class WriteHandle:
             raise TimeoutError(f"{self.path}: not uploaded yet after {timeout} s") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The write's error, or None if it succeeded; waits as :meth:`result` does."""
         self._no_wait_on_reader("exception")
         return self._future.exception(timeout)
 
     def done(self) -> bool:
+        """Whether the write has finished, written or failed (never waits)."""
         return self._future.done()
 
     def add_done_callback(self, fn: Callable[["WriteHandle"], Any]) -> None:

@@ -491,6 +491,7 @@ class MigrateReport:
     missing: list[str] = field(default_factory=list)
 
     def is_complete(self) -> bool:
+        """True when nothing was dropped and nothing is missing."""
         return not self.dropped and not self.missing
 
     def __str__(self) -> str:

@@ -70,6 +70,7 @@ class FileInfo:
 
     @property
     def tensor_bytes(self) -> int:
+        """Bytes of tensor data in the file, every entry together."""
         return sum(e.nbytes for e in self.entries)
 
 
@@ -83,4 +84,5 @@ class TensorFile:
 
     @property
     def tensor_bytes(self) -> int:
+        """Bytes of tensor data, every entry together."""
         return sum(t.numel() * t.element_size() for _, t in self.entries)
