@@ -6,17 +6,19 @@ comment on the line before a block says how it runs (docs/contributing.md):
 
     <!-- docs-test: OPTION [OPTION ...] -->
 
-    continues     the same namespace and directory as the block before it in the file
+    continues     after the block before it in the file: the same directory, and the
+                  same namespace when both run in this process
     s3            a loopback S3 server (moto) with a bucket named ``bucket``; the AWS_*
                   variables point at it, as a job's environment points at its cloud
-    world=N       N processes on a gloo world (MASTER_ADDR, MASTER_PORT, RANK,
-                  WORLD_SIZE, LOCAL_RANK set, as torchrun sets them)
+    world=N       a script on N processes of a gloo world (MASTER_ADDR, MASTER_PORT, RANK,
+                  WORLD_SIZE, LOCAL_RANK set, as torchrun sets them: tests/docs_world.py)
     runs=N        run it N times in the same directory (an example that resumes)
     needs=a,b     skip unless these modules import (optional extras)
 
 A chain (a block and the ``continues`` blocks after it) is one test, named by
-its file and line; a failure names the block's file and line. Every ``snapsvc
-...`` command of a ``sh`` block must parse with the CLI's own parser.
+its file and line; a failure names the block's file and line. A chain must leave
+no writer sidecar running, and (without ``s3``) no /dev/shm entry or fd. Every
+``snapsvc ...`` command of a ``sh`` block must parse with the CLI's own parser.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def test_example_runs(chain: list[Block], tmp_path: Path, request: pytest.Fixtur
         s3 = request.getfixturevalue("s3")   # sets AWS_* for this process and its children
         s3.client.create_bucket(Bucket="bucket")
         request.addfinalizer(lambda: _empty(s3.client, "bucket"))
+    else:   # obstore's runtime, started by a read from a URL, keeps its fds for the process
+        request.getfixturevalue("no_leaks")   # no /dev/shm entry or fd left behind
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
     children = set(sidecar_children())
