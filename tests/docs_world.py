@@ -1,19 +1,23 @@
-"""Run a docs example as torchrun would: ``python docs_world.py SCRIPT WORLD RUNS DEADLINE_S``.
+"""Runs docs examples as torchrun would, for tests/test_docs.py: ``python docs_world.py``.
 
-Each run starts WORLD ranks, each running SCRIPT as ``__main__`` with MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, its output in
-``SCRIPT.run<run>.rank<rank>.log``, and waits for them. The ranks are forks of this
-process, made after importing torch, FSDP (and the dynamo it loads) and snapsvc and before anything runs in torch,
-so a world pays those imports once, not once per rank and run (tests/test_docs.py runs
-many worlds). A rank exits
-as an interpreter does (atexit handlers included), with the script's exit status.
+A server: each line on stdin is one request, JSON ``{"script", "world", "runs", "deadline_s",
+"cwd", "env"}``; each answer on stdout is one line, JSON ``{"code"}``: 0 when every rank of
+every run exited 0, else 1. A request runs in a forked *job* with its own directory and
+environment; each run of the job starts ``world`` ranks, each running ``script`` as
+``__main__`` with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, and waits
+for them by the deadline (killing the rest). The job's own lines go to
+``<script>.world.log``, each rank's output to ``<script>.run<run>.rank<rank>.log``.
 
-Exit status: 0 when every rank of every run exited 0; else 1, after killing the ranks
-still running at the deadline (tests/test_docs.py reads the logs).
+Every rank is a fork made after this process imported torch, FSDP (and the dynamo it
+loads) and snapsvc, and before anything ran in torch: the examples' imports are paid once
+per test session, not once per rank and run. A rank exits as an interpreter does (atexit
+handlers included) with the script's exit status: no frame above the fork catches its
+SystemExit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
@@ -34,9 +38,7 @@ def rank_main(script: str, run: int, rank: int, world: int, port: int) -> None:
     """In a forked rank: become what torchrun starts, run the script, exit with its status."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank))
-    log = os.open(f"{script}.run{run}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    _output_to(f"{script}.run{run}.rank{rank}.log")
     sys.argv = [script]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -48,18 +50,18 @@ def rank_main(script: str, run: int, rank: int, world: int, port: int) -> None:
     sys.exit(0)
 
 
-def main() -> int:
-    script, world, runs, deadline_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+def run_world(script: str, world: int, runs: int, deadline_s: float) -> int:
+    """In a forked job: ``runs`` runs of ``world`` ranks, one after the other."""
     deadline = time.monotonic() + deadline_s
-    failed = False
     for run in range(runs):
         port = free_port()
         ranks = {}   # pid -> rank, while it runs
         for rank in range(world):
-            pid = os.fork()
-            if pid == 0:   # nothing of this function's stack catches the child's SystemExit
+            pid = _fork()
+            if pid == 0:
                 rank_main(script, run, rank, world, port)
             ranks[pid] = rank
+        failed = False
         while ranks and time.monotonic() < deadline:
             for pid in list(ranks):
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -76,9 +78,38 @@ def main() -> int:
             os.waitpid(pid, 0)
             failed = True
         if failed:
-            break
-    return 1 if failed else 0
+            return 1
+    return 0
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = _fork()
+        if pid == 0:   # the job
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            _output_to(f"{req['script']}.world.log")
+            code = run_world(req["script"], req["world"], req["runs"], req["deadline_s"])
+            sys.stdout.flush()
+            os._exit(code)   # the job runs no example code: nothing to finalize
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _fork() -> int:
+    sys.stdout.flush()   # nothing buffered here is written twice by a child
+    sys.stderr.flush()
+    return os.fork()
+
+
+def _output_to(path: str) -> None:
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    serve()

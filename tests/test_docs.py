@@ -23,13 +23,16 @@ no writer sidecar running, and (without ``s3``) no /dev/shm entry or fd. Every
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import select
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -130,6 +133,8 @@ def test_example_runs(chain: list[Block], tmp_path: Path, request: pytest.Fixtur
     for b in chain:
         for module in filter(None, b.options.get("needs", "").split(",")):
             pytest.importorskip(module, reason=f"{b.where} needs {module}")
+    server = request.getfixturevalue("world_server") if any("world" in b.options for b in chain) \
+        else None   # before no_leaks: its pipes live for the session
     if any("s3" in b.options for b in chain):
         s3 = request.getfixturevalue("s3")   # sets AWS_* for this process and its children
         s3.client.create_bucket(Bucket="bucket")
@@ -142,7 +147,7 @@ def test_example_runs(chain: list[Block], tmp_path: Path, request: pytest.Fixtur
     for b in chain:
         runs = int(b.options.get("runs", 1))
         if "world" in b.options:
-            _run_world(b, int(b.options["world"]), runs, tmp_path)
+            _run_world(b, int(b.options["world"]), runs, tmp_path, server)
         else:
             for _ in range(runs):
                 _run_here(b, namespace)
@@ -159,21 +164,38 @@ def _run_here(b: Block, namespace: dict) -> None:
         raise AssertionError(f"{b.where}: the example raised {type(e).__name__}: {e}") from e
 
 
-def _run_world(b: Block, world: int, runs: int, tmp: Path) -> None:
-    """Run ``b`` as a script in ``world`` processes, ``runs`` times, as torchrun would
-    start them (tests/docs_world.py); its line numbers are the Markdown file's."""
-    script = tmp / f"{b.file.name}-{b.line}.py"
-    script.write_text("\n" * (b.line - 1) + b.code)
+@pytest.fixture(scope="session")
+def world_server() -> Iterator[subprocess.Popen]:
+    """tests/docs_world.py, serving this session's multi-rank examples."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("docs_world.py")), str(script),
-                           str(world), str(runs), str(RUN_S)], cwd=tmp, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=RUN_S + 30)
-    if done.returncode != 0:
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("docs_world.py"))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    yield server
+    server.stdin.close()   # it exits at the end of its input
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    server.stdout.close()
+
+
+def _run_world(b: Block, world: int, runs: int, tmp: Path, server: subprocess.Popen) -> None:
+    """Run ``b`` as a script on ``world`` processes, ``runs`` times, as torchrun would start
+    them (tests/docs_world.py); its line numbers are the Markdown file's."""
+    script = tmp / f"{b.file.name}-{b.line}.py"
+    script.write_text("\n" * (b.line - 1) + b.code)
+    server.stdin.write(json.dumps({"script": str(script), "world": world, "runs": runs,
+                                   "deadline_s": RUN_S, "cwd": str(tmp), "env": dict(os.environ)}) + "\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], RUN_S + 30)
+    assert ready, f"{b.where}: tests/docs_world.py did not answer in {RUN_S + 30} s"
+    answer = json.loads(server.stdout.readline() or '{"code": "no answer: the server died"}')
+    if answer["code"] != 0:
         logs = "".join(f"--- {log.name}:\n{log.read_text()[-4000:]}\n"
-                       for log in sorted(tmp.glob(f"{script.name}.run*.rank*.log")))
-        raise AssertionError(f"{b.where}: the example failed on a world of {world}:\n"
-                             f"{done.stdout[-4000:]}\n{logs}")
+                       for log in sorted(tmp.glob(f"{script.name}.*.log")))
+        raise AssertionError(f"{b.where}: the example failed on a world of {world}:\n{logs}")
 
 
 def _empty(client, bucket: str) -> None:
