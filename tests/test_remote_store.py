@@ -5,9 +5,11 @@ them is in tests/test_remote.py."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import queue
 import shutil
+import sys
 import time
 
 import pytest
@@ -451,3 +453,43 @@ def test_data_left_without_metadata_is_removed_at_the_next_start(local, tmp_path
     _started(up)
     up.close(10)
     assert sorted(os.listdir(remote)) == ["notes.txt", "step2.fdl"]
+
+
+def test_ls_lists_a_name_whose_tiers_differ_once_per_tier(s3, local, capsys):
+    """best.fdl rewritten locally after its upload (whose next upload failed): ls shows
+    the remote holds another best.fdl, not the local one."""
+    from snapsvc.cli.core import main
+    done = Done()
+    up = _uploader(s3.url, local, done, backlog=len(FILES))
+    up.start()
+    done.take(len(FILES))
+    up.close(10)
+    for suffix in ("", ".meta"):  # a newer best.fdl, not uploaded
+        shutil.copyfile(os.path.join(local, "big.fdl" + suffix),
+                        os.path.join(local, "best.fdl" + suffix))
+    capsys.readouterr()
+    assert main(["ls", local, "--remote", s3.url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert sorted((r["name"], tuple(r["tiers"])) for r in rows) == [
+        ("best.fdl", ("local",)), ("best.fdl", ("remote",)), ("big.fdl", ("local", "remote")),
+        ("step1.fdl", ("local", "remote")), ("step2.fdl", ("local", "remote")),
+        ("step3.fdl", ("local", "remote"))]
+
+
+def test_cli_draws_progress_of_remote_reads_on_a_terminal_only(s3, local, monkeypatch, capsys):
+    """inspect URL, verify URL and ls of a remote: tqdm's bar on a terminal, nothing else."""
+    from test_cli import FakeTTY
+    from snapsvc.cli.core import main
+    done = Done()
+    up = _uploader(s3.url, local, done, backlog=len(FILES))
+    up.start()
+    done.take(len(FILES))
+    up.close(10)
+    url = f"{s3.url}/big.fdl"
+    for args, phase in ((["inspect", url], "fetching"), (["verify", url], "fetching"),
+                        (["ls", s3.url], "reading metadata")):
+        for tty, shown in ((io.StringIO(), False), (FakeTTY(), True)):
+            monkeypatch.setattr(sys, "stderr", tty)
+            assert main(args) == 0, args
+            assert (f"{phase}:" in tty.getvalue()) is shown, (args, tty.getvalue())
+            assert phase not in capsys.readouterr().out

@@ -37,7 +37,7 @@ from isal import isal_zlib
 from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, companions, read_meta
 from ..files.verify import VerifyReport, verify as _verify_local
-from .store import PART, Store, open_store
+from .store import PART, Progress, Store, open_store
 from .url import describe, is_url, parse_url, scrub, split_url
 
 __all__ = ["TIMEOUT", "fetched", "accepts_url", "verify", "run_sync"]
@@ -48,8 +48,6 @@ T = TypeVar("T")
 TIMEOUT = 300.0
 # ranged reads in flight for one fetch
 _READS_IN_FLIGHT = 8
-# (phase, bytes done, bytes in all): snapsvc.files.tensors.Progress, without its torch import
-Progress = Callable[[str, int, "int | None"], None]
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

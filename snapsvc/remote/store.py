@@ -96,6 +96,8 @@ def _chunks(file: BinaryIO, key: str, size: int, crc32: int) -> Iterator[bytes]:
 
 
 Owned = Callable[[str], bool]
+# (phase, done, total or None): snapsvc.files.tensors.Progress, without its torch import
+Progress = Callable[[str, int, "int | None"], None]
 
 
 class Store:
@@ -123,8 +125,10 @@ class Store:
     async def get_range(self, key: str, start: int, end: int) -> memoryview:
         raise NotImplementedError
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
-        """Every object whose key starts with ``prefix``."""
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
+        """Every object whose key starts with ``prefix``; ``progress("listing", n, None)``
+        as they come."""
         raise NotImplementedError
 
     async def delete(self, key: str) -> None:
@@ -214,13 +218,16 @@ class ObjectStore(Store):
 
         return memoryview(await obstore.get_range_async(self._store, key, start=start, end=end))
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
         import obstore
 
-        out = []
+        out: list[StoredObject] = []
         async for batch in obstore.list(self._store, prefix or None):
             out.extend(StoredObject(o["path"], o["size"], o["last_modified"].timestamp())
                        for o in batch)
+            if progress is not None:
+                progress("listing", len(out), None)
         return out
 
     async def delete(self, key: str) -> None:
@@ -330,7 +337,8 @@ class DirStore(Store):
                 return memoryview(os.pread(f.fileno(), end - start, start))
         return await asyncio.to_thread(read)
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
         def walk() -> list[StoredObject]:
             out = []
             for d, _, names in os.walk(self.root):
@@ -345,6 +353,8 @@ class DirStore(Store):
                         except FileNotFoundError:
                             continue
                         out.append(StoredObject(key, st.st_size, st.st_mtime))
+                if progress is not None:
+                    progress("listing", len(out), None)
             return out
         return await asyncio.to_thread(walk)
 
