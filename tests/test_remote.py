@@ -320,6 +320,10 @@ def test_reads_by_url_have_a_deadline(s3, fault_proxy, tmp_path):
         snapsvc.restore(url, nn.Linear(1, 1), timeout=1)
     report = snapsvc.verify(url, timeout=1)
     assert not report.ok and url in report.problems[0]
+    with pytest.raises(OSError, match=s3.url):  # multi-rank checkpoints too
+        snapsvc.latest_checkpoint(tmp_path, remote=s3.url, timeout=1)
+    with pytest.raises(OSError, match="step_1"):
+        snapsvc.restore_distributed(f"{s3.url}/step_1", nn.Linear(1, 1), timeout=1)
 
 
 def test_no_room_for_a_fetch_is_a_local_error(s3, tmp_path, monkeypatch):

@@ -493,3 +493,17 @@ def test_cli_draws_progress_of_remote_reads_on_a_terminal_only(s3, local, monkey
             assert main(args) == 0, args
             assert (f"{phase}:" in tty.getvalue()) is shown, (args, tty.getvalue())
             assert phase not in capsys.readouterr().out
+
+
+def test_upload_errors_are_one_line_without_credentials(s3, local, secret):
+    """obstore's errors carry a multi-line dump of the request: an UploadError's
+    message is its first line, with no credential in it."""
+    done = Done()
+    up = _uploader("s3://snapsvc-no-such-bucket/ckpt", local, done, scan=False,
+                   remote_timeout=1.0, options={"secret_access_key": secret})
+    up.start()
+    up.enqueue(1, os.path.join(local, "best.fdl"))
+    (_, url, error, _), = done.take(1)
+    up.close(10)
+    assert url is None and "best.fdl" in error
+    assert "\n" not in error and secret not in error

@@ -38,7 +38,7 @@ from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, companions, read_meta
 from ..files.verify import VerifyReport, verify as _verify_local
 from .store import PART, Progress, Store, open_store
-from .url import describe, is_url, parse_url, scrub, split_url
+from .url import as_oserror, is_url, parse_url, split_url
 
 __all__ = ["TIMEOUT", "fetched", "accepts_url", "verify", "run_sync"]
 
@@ -208,11 +208,8 @@ def fetched(url: str, *, options: dict[str, Any] | None = None, timeout: float |
             raise TimeoutError(errno.ETIMEDOUT, f"reading {url}: not done within timeout="
                                f"{limit:g} s; check the endpoint and the network, or pass a "
                                "longer timeout=") from None
-        except OSError as e:
-            raise OSError(e.errno, scrub(f"reading {url} failed: {e.strerror or e}",
-                                         options)) from None
-        except Exception as e:  # the engine's errors
-            raise OSError(f"reading {url} failed: {describe(e, options)}") from None
+        except Exception as e:  # the engine's errors (some OSErrors): one line, no secret
+            raise as_oserror(e, f"reading {url}", options) from None
         try:
             yield local
         except FormatError as e:  # a reader's complaint about the copy: name the original

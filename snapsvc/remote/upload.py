@@ -57,7 +57,7 @@ from .store import CorruptSource, Store, open_store, remote_key
 from .upkeep import Scope, prune, series_of, start_up
 from .url import describe
 
-__all__ = ["BACKLOG", "UploadJob", "Uploader", "series_of"]
+__all__ = ["BACKLOG", "UploadJob", "Uploader", "series_of", "retrying", "GaveUp"]
 
 log = logging.getLogger("snapsvc.remote")
 
@@ -287,7 +287,7 @@ class Uploader:
         """Upload ``job`` and report it; then rotate its series."""
         try:
             url, error = await self._upload(store, job), None
-        except _Failed as e:
+        except GaveUp as e:
             url, error = None, str(e)
         except asyncio.CancelledError:  # close() ran out of time during this one
             log.warning("not uploaded: %s; the writer closed before its upload committed "
@@ -342,7 +342,7 @@ class Uploader:
                     with self._mutex:
                         self._taken = None
                     break
-                except _Failed as e:
+                except GaveUp as e:
                     log.warning("%s; checkpoints not uploaded before this writer started wait "
                                 "for it, tried again in %g s", e, self.remote_timeout)
                 self._end_first_round()
@@ -387,14 +387,14 @@ class Uploader:
         await store.put(job.key + META_SUFFIX, io.BytesIO(opened.meta))  # last: the commit
 
 
-class _Failed(Exception):
-    """An upload that failed for good; the message says why."""
+class GaveUp(Exception):
+    """Work that failed for good (:func:`retrying`); the message says why."""
 
 
 async def retrying(attempt: Callable[[], Awaitable[T]], what: str, *, timeout: float,
                    options: dict[str, Any], close_by: Callable[[], float | None]) -> T:
     """``attempt()``, retried whole with backoff until ``timeout`` from now (sooner
-    once ``close_by()``, the writer's closing deadline, is set); :class:`_Failed`
+    once ``close_by()``, the writer's closing deadline, is set); :class:`GaveUp`
     saying why it failed."""
     started = time.monotonic()
     deadline = started + timeout
@@ -406,11 +406,11 @@ async def retrying(attempt: Callable[[], Awaitable[T]], what: str, *, timeout: f
         try:
             return await asyncio.wait_for(attempt(), deadline - time.monotonic())
         except CorruptSource as e:  # never retried: it will not change
-            raise _Failed(f"{what}: {e}") from None
+            raise GaveUp(f"{what}: {e}") from None
         except (ValueError, TypeError) as e:  # a name or value the store refuses
-            raise _Failed(f"{what}: {describe(e, options)}; not retried") from None
+            raise GaveUp(f"{what}: {describe(e, options)}; not retried") from None
         except asyncio.TimeoutError:
-            raise _Failed(f"{what}: not done within remote_timeout={timeout:g} s "
+            raise GaveUp(f"{what}: not done within remote_timeout={timeout:g} s "
                           f"({tries + 1} attempt(s){last}); check the endpoint and the "
                           "network, or raise remote_timeout") from None
         except Exception as e:  # the engine's errors: network, auth, server, NotFound
@@ -418,7 +418,7 @@ async def retrying(attempt: Callable[[], Awaitable[T]], what: str, *, timeout: f
             last = f", the last: {why}"
             wait = _RETRY_S[min(tries, len(_RETRY_S) - 1)]
             if time.monotonic() + wait >= deadline:
-                raise _Failed(f"{what}: failed after {tries + 1} attempt(s) in "
+                raise GaveUp(f"{what}: failed after {tries + 1} attempt(s) in "
                               f"{time.monotonic() - started:.1f} s: {why}") from None
             log.warning("%s failed (%s); retrying in %g s", what, why, wait)
             tries += 1
@@ -441,5 +441,5 @@ def _open(job: UploadJob, files_lock: threading.Lock) -> _Opened:
                                      c.size, c.crc32))
         except (OSError, ValueError) as e:  # gone, or unreadable metadata: final
             opened.close()
-            raise _Failed(f"{job.path}: {e}") from None
+            raise GaveUp(f"{job.path}: {e}") from None
     return opened

@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 __all__ = ["SCHEMES", "RemoteURL", "is_url", "parse_url", "split_url", "check_key", "scrub",
-           "describe"]
+           "describe", "as_oserror"]
 
 # URL schemes that name an object store (obstore's from_url); anything else is a directory
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
@@ -144,3 +144,11 @@ def describe(e: BaseException, options: dict[str, Any] | None = None) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
     return scrub(text, options)
+
+
+def as_oserror(e: BaseException, what: str, options: dict[str, Any] | None = None) -> OSError:
+    """An engine's error as a one-line ``OSError`` saying ``what`` failed (its errno
+    kept, so a NotFound stays a ``FileNotFoundError``)."""
+    message = f"{what} failed: {describe(e, options)}"
+    code = getattr(e, "errno", None)
+    return OSError(code, message) if isinstance(code, int) else OSError(message)
