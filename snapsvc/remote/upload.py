@@ -295,7 +295,7 @@ class Uploader:
             self._on_done(job, None, "not uploaded: the writer closed before its upload "
                           f"committed (remote_timeout={self.remote_timeout:g} s)", False)
             raise
-        except Exception as e:  # a bug: this job fails with it, the queue goes on
+        except BaseException as e:  # a bug, an engine panic: this job fails, the queue goes on
             log.exception("uploading %s failed", job.path)
             url, error = None, f"{store.key_url(job.key)}: {describe(e, self.options)}"
         finally:
