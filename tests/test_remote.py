@@ -150,7 +150,7 @@ def test_close_past_remote_timeout_is_routine(s3, fault_proxy, tmp_path, capfd):
     each fails with why; a warning, no traceback."""
     fault_proxy(["stall"] * 100)
     model, _ = _model()
-    w = snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_timeout=2.0)
+    w = snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_timeout=1.0)
     try:
         handles = [w.submit(model, f"step{i}.fdl") for i in (1, 2, 3)]
     finally:

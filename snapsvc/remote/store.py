@@ -37,6 +37,7 @@ import errno
 import importlib.util
 import os
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from datetime import timedelta
@@ -159,6 +160,19 @@ def _defaults(remote_timeout: float) -> dict[str, Any]:
     }
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _seconds(value: Any) -> float:
+    """A client option's duration (a timedelta, or obstore's text: ``2s``, ``500ms``)
+    in seconds, for boto3; 10 s where it is not one of those."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    found = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    return float(found.group(1)) * _UNIT_S[found.group(2)] if found else 10.0
+
+
 class ObjectStore(Store):
     """An S3, GCS or Azure prefix through obstore."""
 
@@ -174,6 +188,7 @@ class ObjectStore(Store):
         rest = dict(self.options)
         for name in ("retry_config", "client_options"):
             kwargs[name] = {**kwargs[name], **(rest.pop(name, None) or {})}
+        self._client_options = kwargs["client_options"]
         self._store = from_url(self.where.engine_url, **kwargs, **rest)
 
     def key_url(self, key: str) -> str:
@@ -258,14 +273,16 @@ class ObjectStore(Store):
         from botocore.config import Config
 
         cfg = self._store.config
-        limit = min(10.0, self.remote_timeout)  # each request; the caller's deadline bounds all
+        client = self._client_options  # each request's; the caller's deadline bounds all
         virtual = str(cfg.get("virtual_hosted_style_request", "")).lower() == "true"
         return boto3.client(
             "s3", endpoint_url=cfg.get("endpoint"), region_name=cfg.get("region"),
             aws_access_key_id=cfg.get("access_key_id"),
             aws_secret_access_key=cfg.get("secret_access_key"),
             aws_session_token=cfg.get("session_token"),
-            config=Config(connect_timeout=limit, read_timeout=limit, retries={"max_attempts": 2},
+            config=Config(connect_timeout=_seconds(client.get("connect_timeout")),
+                          read_timeout=_seconds(client.get("timeout")),
+                          retries={"max_attempts": 2},
                           s3={"addressing_style": "virtual" if virtual else "path"}))
 
     def _abort_s3_uploads(self, boto3: Any, before: float, owned: Owned) -> int:
