@@ -244,7 +244,9 @@ class Uploads:
                         self.directory)
             todo = [n for n in todo if n not in other]
         if self.keep_last is not None:
-            kept = sorted(set(remote) | set(todo), reverse=True)[:self.keep_last]
+            # write order, as _prune ranks: what each manifest records it was created at
+            when = {n: m.created for n, m in remote.items()} | {n: local[n].created for n in todo}
+            kept = sorted(when, key=lambda n: (when[n], n))[-self.keep_last:]
             late = [n for n in todo if n not in kept]
             if late:
                 log.warning("snapsvc: not uploading step(s) %s of %s: remote_keep_last=%d would "

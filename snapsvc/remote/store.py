@@ -392,7 +392,7 @@ class DirStore(Store):
                 folder = os.path.relpath(d, self.root).replace(os.sep, "/")
                 folder = "" if folder == "." else folder + "/"
                 count += len(remove_stale_temps(
-                    d, lambda name, mtime: mtime < before and owned(folder + name)))
+                    d, lambda name, mtime, folder=folder: mtime < before and owned(folder + name)))
             return count
         return await asyncio.to_thread(sweep)
 
