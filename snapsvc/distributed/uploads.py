@@ -330,7 +330,8 @@ class Uploads:
         self._done(h, url, None)
         if self.rank == 0 and self.keep_last is not None:
             try:
-                run_sync(asyncio.wait_for(self._prune(step), self.remote_timeout))
+                run_sync(asyncio.wait_for(_prune(self._store(), self.keep_last, step),
+                                          self.remote_timeout))
             except Exception as e:
                 log.warning("remote rotation after step %d failed: %s", step,
                             describe(e, self.options))
@@ -359,29 +360,29 @@ class Uploads:
 
         return run_sync(asyncio.wait_for(commit(), self.remote_timeout))
 
-    async def _prune(self, committed: int) -> None:
-        """``remote_keep_last``: the complete steps beyond the newest ``keep_last`` in
-        write order (the ``created`` time each manifest records, not the step number,
-        which a run resumed from an earlier step repeats) lose their manifest first,
-        then their ``.meta``, then the rest; never the step just ``committed``."""
-        assert self.keep_last is not None and self.keep_last >= 1  # the newest always stays
-        store = self._store()
-        objects = await store.list()
-        ranked = sorted(await remote_complete_steps(store, objects=objects),
-                        key=lambda nm: (nm[1].created, nm[0]))
-        kept = {n for n, _ in ranked[-self.keep_last:]} | {committed}
-        steps: dict[int, list[str]] = {}
-        for o in objects:
-            n = step_number(o.key.partition("/")[0])
-            if n is not None and n not in kept:
-                steps.setdefault(n, []).append(o.key)
-        for n, keys in sorted(steps.items()):
-            manifest = f"step_{n}/{MANIFEST_NAME}"
-            if manifest not in keys:
-                continue  # never committed: an upload under way, or not a checkpoint
-            await store.delete(manifest)  # first: it vouches for the rest
-            rest = sorted((k for k in keys if k != manifest),
-                          key=lambda k: not k.endswith(META_SUFFIX))
-            for k in rest:
-                await store.delete(k)
-            log.info("remote rotation: removed %s", store.key_url(f"step_{n}"))
+
+async def _prune(store: Store, keep_last: int, committed: int) -> None:
+    """``remote_keep_last``, rank 0's: the complete steps beyond the newest ``keep_last`` in
+    write order (the ``created`` time each manifest records, not the step number,
+    which a run resumed from an earlier step repeats) lose their manifest first,
+    then their ``.meta``, then the rest; never the step just ``committed``."""
+    assert keep_last >= 1  # the newest always stays
+    objects = await store.list()
+    ranked = sorted(await remote_complete_steps(store, objects=objects),
+                    key=lambda nm: (nm[1].created, nm[0]))
+    kept = {n for n, _ in ranked[-keep_last:]} | {committed}
+    steps: dict[int, list[str]] = {}
+    for o in objects:
+        n = step_number(o.key.partition("/")[0])
+        if n is not None and n not in kept:
+            steps.setdefault(n, []).append(o.key)
+    for n, keys in sorted(steps.items()):
+        manifest = f"step_{n}/{MANIFEST_NAME}"
+        if manifest not in keys:
+            continue  # never committed: an upload under way, or not a checkpoint
+        await store.delete(manifest)  # first: it vouches for the rest
+        rest = sorted((k for k in keys if k != manifest),
+                      key=lambda k: not k.endswith(META_SUFFIX))
+        for k in rest:
+            await store.delete(k)
+        log.info("remote rotation: removed %s", store.key_url(f"step_{n}"))
