@@ -116,7 +116,8 @@ def unreachable_s3(monkeypatch: pytest.MonkeyPatch) -> str:
 class FaultProxy:
     """A loopback TCP proxy in front of ``target``: the first connections meet the
     faults in ``faults`` ("reset": closed with RST on arrival; "stall": held open,
-    never answered), every later one is forwarded."""
+    never answered), every later one is forwarded. :meth:`outage` cuts every
+    connection open and resets each new one until it ends."""
 
     def __init__(self, target_port: int, faults: list[str]) -> None:
         import threading
@@ -129,8 +130,9 @@ class FaultProxy:
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         self._held: list[socket.socket] = []
+        self._live: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._closed = False
+        self._down = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -143,7 +145,7 @@ class FaultProxy:
             except OSError:
                 return
             with self._lock:
-                fault = self.faults.pop(0) if self.faults else None
+                fault = "reset" if self._down else self.faults.pop(0) if self.faults else None
                 if fault:
                     self.met.append(fault)
             if fault == "reset":
@@ -153,6 +155,8 @@ class FaultProxy:
                 self._held.append(conn)
             else:
                 up = socket.create_connection(self.target)
+                with self._lock:
+                    self._live += [conn, up]
                 for a, b in ((conn, up), (up, conn)):
                     threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -169,6 +173,17 @@ class FaultProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def outage(self, down: bool) -> None:
+        """Begin (cutting every open connection) or end an outage."""
+        with self._lock:
+            self._down = down
+            live, self._live = (self._live, []) if down else ([], self._live)
+        for c in live:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         self.sock.close()

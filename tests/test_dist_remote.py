@@ -12,6 +12,7 @@ import dataclasses
 import os
 import queue
 import shutil
+import time
 
 import pytest
 import torch
@@ -223,6 +224,52 @@ def test_world1_steps_left_local_only_are_uploaded_by_the_next_writer(s3, world1
     assert same(models[2][0], back)
     assert torch.equal(back_opt.state_dict()["state"][0]["exp_avg"],
                        models[2][1].state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.timeout(180)
+def test_world1_catch_up_is_tried_again_after_an_outage(s3, fault_proxy, world1, tmp_path,
+                                                        caplog):
+    """The remote tier is down when the next writer starts: its listing of what an
+    earlier run left local-only is retried, and after the outage, once the next step
+    is exchanged, the catch-up runs again and uploads them."""
+    url = "s3://snapsvc-late-bucket2/ckpt"
+    d = tmp_path / "ckpt"
+    model, _ = make_model(1)
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=url,
+                                           remote_timeout=1.0) as w:
+        for step in (1, 2):   # the bucket is missing: both stay local-only
+            with pytest.raises(snapsvc.UploadError):
+                w.submit(model, step).uploaded(timeout=RESULT_S)
+    s3.client.create_bucket(Bucket="snapsvc-late-bucket2")
+    proxy = fault_proxy([])
+    proxy.outage(True)
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=url,
+                                           remote_timeout=3.0) as w:
+        deadline = time.monotonic() + 60
+        while "looked for again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proxy.outage(False)
+        assert w.submit(model, 3).uploaded(timeout=RESULT_S) == f"{url}/step_3"
+    late = dataclasses.replace(s3, bucket="snapsvc-late-bucket2")
+    assert sorted({k for k in late.keys() if k.endswith(MANIFEST_NAME)}) == [
+        f"step_{n}/{MANIFEST_NAME}" for n in (1, 2, 3)]
+
+
+@pytest.mark.timeout(120)
+def test_world1_a_resumed_run_keeps_the_step_it_commits(s3, world1, tmp_path):
+    """remote_keep_last ranks steps by write order: a run resumed from step 2 commits
+    step 3 again beside the first run's steps 4 and 5, and keeps it."""
+    model, _ = make_model(0)
+    d = tmp_path / "ckpt"
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=s3.url,
+                                           remote_keep_last=2) as w:
+        for step in range(1, 6):
+            w.submit(model, step).uploaded(timeout=RESULT_S)
+    shutil.rmtree(d / "step_3")
+    with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60, remote=s3.url,
+                                           remote_keep_last=2) as w:
+        assert w.submit(model, 3).uploaded(timeout=RESULT_S) == f"{s3.url}/step_3"
+    assert sorted({k.partition("/")[0] for k in s3.keys()}) == ["step_3", "step_5"]
 
 
 # -- two ranks ----------------------------------------------------------------------------

@@ -145,6 +145,22 @@ def test_uploaded_without_remote_is_none_and_times_out_while_pending(unreachable
         h.uploaded(timeout=10)
 
 
+def test_close_past_remote_timeout_is_routine(s3, fault_proxy, tmp_path, capfd):
+    """An endpoint that never answers: close() gives the uploads remote_timeout, then
+    each fails with why; a warning, no traceback."""
+    fault_proxy(["stall"] * 100)
+    model, _ = _model()
+    w = snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_timeout=1.0)
+    try:
+        handles = [w.submit(model, f"step{i}.fdl") for i in (1, 2, 3)]
+    finally:
+        w.close()
+    for h in handles:
+        with pytest.raises(snapsvc.UploadError, match="not uploaded|remote_timeout"):
+            h.uploaded(timeout=10)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_rotation_on_each_tier(s3, tmp_path, capsys):
     model, opt = _model()
     with snapsvc.SnapshotWriter(tmp_path, keep_last=2, remote=s3.url, remote_keep_last=1) as w:
@@ -210,3 +226,127 @@ def test_sidecar_killed_mid_upload_then_every_durable_checkpoint_is_committed(s3
             assert s3.read(name) == (tmp_path / name).read_bytes(), name
     assert set(keys) == {f"step{i}.fdl{s}" for i in (1, 2, 3) for s in ("", ".meta")}
     assert s3.multipart_uploads() == []
+
+
+def test_rotation_never_takes_files_a_retrying_upload_needs(s3, fault_proxy, tmp_path, capfd):
+    """keep_last=1 and an outage: step1's upload began, then step2 rotated step1 away
+    locally; the upload's retry still has step1's files and commits it."""
+    proxy = fault_proxy([])
+    proxy.outage(True)
+    model, opt = _model()
+    with snapsvc.SnapshotWriter(tmp_path, keep_last=1, remote=s3.url, remote_timeout=60,
+                                remote_options={"retry_config": {"max_retries": 1}}) as w:
+        h1 = w.submit(model, "step1.fdl", optimizer=opt)
+        h1.result(timeout=60)
+        err, deadline = "", time.monotonic() + 60
+        while "step1.fdl failed" not in err and time.monotonic() < deadline:
+            time.sleep(0.05)  # step1's first attempt failed: its upload has begun
+            err += capfd.readouterr().err
+        w.submit(model, "step2.fdl", optimizer=opt).result(timeout=60)
+        assert not (tmp_path / "step1.fdl").exists()  # rotated away locally
+        time.sleep(1.5)  # a failed attempt or two
+        proxy.outage(False)
+        assert h1.uploaded(timeout=90) == f"{s3.url}/step1.fdl"
+    back, _ = _model(seed=4)
+    snapsvc.restore(f"{s3.url}/step1.fdl", back)
+    assert _same(model, back)
+
+
+def test_a_resumed_run_keeps_what_it_commits_on_each_tier(s3, tmp_path):
+    """A run resumed from step 2 writes step3 again while steps 4 and 5 of the first run
+    are there: each tier ranks by write order, so neither deletes the new step3."""
+    model, _ = _model()
+    with snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_keep_last=2) as w:
+        for i in range(1, 6):
+            w.submit(model, f"step{i}.fdl").uploaded(timeout=60)
+    with snapsvc.SnapshotWriter(tmp_path, keep_last=1, remote=s3.url,
+                                remote_keep_last=2) as w:
+        assert w.submit(model, "step3.fdl").uploaded(timeout=60) == f"{s3.url}/step3.fdl"
+    assert sorted(s3.keys()) == ["step3.fdl", "step3.fdl.meta", "step5.fdl", "step5.fdl.meta"]
+    assert (tmp_path / "step3.fdl.meta").exists()
+
+
+def test_remote_settings_refused_at_construction(s3, tmp_path, secret):
+    """What cannot work is refused before any sidecar starts, never echoing a secret:
+    credentials in a URL, options obstore would refuse (or panic on) in the sidecar,
+    and a directory remote that is the local one through a symlink, inside it or
+    around it."""
+    with pytest.raises(ValueError, match="AWS_SECRET_ACCESS_KEY") as e:
+        snapsvc.SnapshotWriter(tmp_path, remote=f"s3://AKIAKEY:{secret}@bucket/run")
+    assert secret not in str(e.value) and "AKIAKEY" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        snapsvc.restore(f"s3://AKIAKEY:{secret}@bucket/run/x.fdl", nn.Linear(1, 1))
+    assert secret not in str(e.value)
+    for options, why in (({"region_name": "x"}, "region_name"),
+                         ({"timeout": "10s"}, "client_options"),
+                         ({"client_options": {"timeout": "soon"}}, "soon")):
+        with pytest.raises(ValueError, match=why):
+            snapsvc.SnapshotWriter(tmp_path, remote=s3.url, remote_options=options)
+    local = tmp_path / "local"
+    (local / "sub").mkdir(parents=True)
+    os.symlink(local, tmp_path / "link")
+    for remote in (tmp_path / "link", tmp_path / "link" / "sub", tmp_path):
+        with pytest.raises(ValueError, match="apart from it"):
+            snapsvc.SnapshotWriter(local, remote=str(remote))
+
+
+def test_every_url_uploaded_returns_reads_back(s3, tmp_path):
+    """Folder names with '#', '%41', '?' or a trailing space, under a prefix with '#':
+    each uploaded() URL reads back, naming the object as the store lists it; a name
+    the store cannot hold (a tab) is refused at submit."""
+    model, _ = _model()
+    url = f"s3://{s3.bucket}/run#1"
+    names = ["a#b/step1.fdl", "p%41/step1.fdl", "q?r/step1.fdl", "sp /step1.fdl"]
+    with snapsvc.SnapshotWriter(tmp_path, remote=url) as w:
+        with pytest.raises(snapsvc.PathError, match="control character"):
+            w.submit(model, "t\tb.fdl")
+        urls = [w.submit(model, n).uploaded(timeout=60) for n in names]
+    assert urls == [f"{url}/{n}" for n in names]
+    for u in urls:
+        back, _ = _model(seed=5)
+        snapsvc.restore(u, back)
+        assert _same(model, back)
+    listed = s3.client.list_objects_v2(Bucket=s3.bucket)["Contents"]
+    assert sorted(o["Key"] for o in listed if o["Key"].endswith("step1.fdl")) == \
+        sorted(f"run#1/{n}" for n in names)
+
+
+def test_reads_by_url_have_a_deadline(s3, fault_proxy, tmp_path):
+    """An endpoint that accepts connections and never answers: a read by URL gives up
+    at its timeout=, an OSError naming it."""
+    fault_proxy(["stall"] * 100)
+    url = f"{s3.url}/step1.fdl"
+    with pytest.raises(OSError, match=url):  # the request's own timeout, or the deadline's
+        snapsvc.restore(url, nn.Linear(1, 1), timeout=1)
+    report = snapsvc.verify(url, timeout=1)
+    assert not report.ok and url in report.problems[0]
+    with pytest.raises(OSError, match=s3.url):  # multi-rank checkpoints too
+        snapsvc.latest_checkpoint(tmp_path, remote=s3.url, timeout=1)
+    with pytest.raises(OSError, match="step_1"):
+        snapsvc.restore_distributed(f"{s3.url}/step_1", nn.Linear(1, 1), timeout=1)
+
+
+def test_no_room_for_a_fetch_is_a_local_error(s3, tmp_path, monkeypatch):
+    """Short writes, then ENOSPC, where a fetch lands its bytes: an OSError naming
+    where and how many bytes, not a corrupt remote object."""
+    import errno
+    model, _ = _model(width=512)
+    with snapsvc.SnapshotWriter(tmp_path, remote=s3.url) as w:
+        w.submit(model, "m.fdl").uploaded(timeout=60)
+    size = os.path.getsize(tmp_path / "m.fdl")
+    real, calls = os.pwrite, []
+
+    def full(fd, data, at):
+        calls.append(at)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bytes(data)[: len(data) // 2], at)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    for read in (lambda u: snapsvc.restore(u, _model(seed=6)[0]), snapsvc.verify):
+        calls.clear()
+        with pytest.raises(OSError) as e:
+            read(f"{s3.url}/m.fdl")
+        assert not isinstance(e.value, snapsvc.FormatError)
+        assert e.value.errno == errno.ENOSPC and f"{size} bytes" in str(e.value)
+        assert "snapsvc-fetch-" in str(e.value)  # where

@@ -177,7 +177,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
           "present.", arguments=_inspect_arguments)
 def _inspect(args: argparse.Namespace) -> int:
     if is_url(args.file):  # a checked local copy, shown under its URL
-        with fetched(args.file) as local:
+        with ProgressBar() as bar, fetched(args.file, progress=bar) as local:
             info, meta, meta_error = _describe(local)
         info.path = args.file
         if meta is not None:
@@ -269,7 +269,9 @@ def _verify(args: argparse.Namespace) -> int:
             owner = path if part is None else part[0]
             first = owner not in reports
             if first:
-                reports[owner] = verify(owner, require_meta=not args.no_meta)
+                with ProgressBar() as fetching:  # a URL's bytes as they arrive
+                    reports[owner] = verify(owner, require_meta=not args.no_meta,
+                                            progress=fetching if is_url(owner) else None)
             report = reports[owner]
             bar.clear()
             if part is None:
@@ -328,7 +330,8 @@ def _ls(args: argparse.Namespace) -> int:
     tiers = [("remote" if is_url(args.location) else "local", args.location)]
     if args.remote:
         tiers.append(("remote", args.remote))
-    rows = list_checkpoints(tiers)
+    with ProgressBar(unit="files") as bar:
+        rows = list_checkpoints(tiers, progress=bar)
     if args.json:
         print(json.dumps(_strict_json({"location": args.location, "remote": args.remote,
                                        "checkpoints": [r.__dict__ for r in rows]}),

@@ -37,7 +37,7 @@ log = logging.getLogger("snapsvc")
 def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping[Any, Any],
                         optimizer: torch.optim.Optimizer | None = None,
                         process_group: Any = None, *, strict: bool = False,
-                        verify: bool = True) -> LoadReport:
+                        verify: bool = True, timeout: float | None = None) -> LoadReport:
     """Restore this rank's part of a complete multi-rank checkpoint.
 
     ``restore_distributed(path, state_mapping, process_group=None, *, strict,
@@ -66,8 +66,11 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
     must record the size and CRC-32 the manifest committed, and
     :func:`snapsvc.restore` loads the file, checking both while it reads
     (always: ``verify`` applies to the sharded path's ranged reads).
+
+    ``timeout``: from the remote tier, the deadline of each read
+    (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
     """
-    step = open_step(path)
+    step = open_step(path, timeout)
     m = step.manifest
     if isinstance(model, Mapping):   # (path, state_mapping, process_group): the third is the group
         if isinstance(optimizer, torch.optim.Optimizer):

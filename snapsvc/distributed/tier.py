@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections import defaultdict
@@ -26,8 +27,9 @@ from typing import Any, Iterator
 
 from ..errors import FormatError
 from ..files.meta import META_SUFFIX, Meta, parse_meta, read_meta
-from ..remote.fetch import fetched, run_sync
-from ..remote.store import Store, StoredObject, is_url, open_store, scrub, split_url
+from ..remote.fetch import TIMEOUT, fetched, run_sync
+from ..remote.store import Store, StoredObject, is_url, open_store, split_url
+from ..remote.url import as_oserror
 from .manifest import MANIFEST_NAME, Manifest, _latest_local, _missing, parse_manifest, \
     read_manifest, step_number
 from .pieces import _Global, _Piece, _PieceReader, _sizes
@@ -41,7 +43,8 @@ _READS_IN_FLIGHT = 8
 
 
 def latest_checkpoint(directory: str | os.PathLike[str],
-                      remote: str | os.PathLike[str] | None = None) -> str | None:
+                      remote: str | os.PathLike[str] | None = None, *,
+                      timeout: float | None = None) -> str | None:
     """The newest step complete on either tier, or None.
 
     ``directory``'s newest complete ``step_<N>`` (its path) unless ``remote``
@@ -50,13 +53,14 @@ def latest_checkpoint(directory: str | os.PathLike[str],
     manifest decodes, names this step, and every file it lists exists with the
     recorded size (sizes only; :func:`restore_distributed` checks CRC-32s of
     what it loads). Steps without a manifest are incomplete and skipped,
-    whatever they hold. An unreachable remote is an ``OSError``.
+    whatever they hold. An unreachable remote is an ``OSError``, within
+    ``timeout`` (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
     """
     local = _latest_local(directory)
     if remote is None:
         return None if local is None else local[1]
     if is_url(remote):
-        far = _newest_remote(str(remote), None if local is None else local[0])
+        far = _newest_remote(str(remote), None if local is None else local[0], timeout)
     else:
         far = _latest_local(remote)
     if far is not None and (local is None or far[0] > local[0]):
@@ -104,16 +108,25 @@ async def remote_complete_steps(store: Store, *, objects: list[StoredObject] | N
     return out
 
 
-def _newest_remote(url: str, above: int | None) -> tuple[int, str] | None:
-    store = open_store(url)
-    try:
-        found = run_sync(remote_complete_steps(store, above=above, enough=1))
-    except (FormatError, OSError):
-        raise
-    except Exception as e:  # the engine's errors: say where, never a credential
-        raise OSError(scrub(f"listing {url} failed: {type(e).__name__}: {e}").splitlines()[0]
-                      ) from None
+def _newest_remote(url: str, above: int | None,
+                   timeout: float | None) -> tuple[int, str] | None:
+    limit = TIMEOUT if timeout is None else timeout
+    found = _run(remote_complete_steps(open_store(url, remote_timeout=limit), above=above,
+                                       enough=1), f"listing {url}", limit)
     return (found[0][0], found[0][1].path) if found else None
+
+
+def _run(coro: Any, what: str, limit: float) -> Any:
+    """``coro`` within ``limit`` seconds; the engine's errors as one-line OSErrors."""
+    try:
+        return run_sync(asyncio.wait_for(coro, limit))
+    except asyncio.TimeoutError:  # first: it is an OSError too
+        raise TimeoutError(errno.ETIMEDOUT, f"{what}: not done within timeout={limit:g} s"
+                           ) from None
+    except FormatError:
+        raise
+    except Exception as e:  # the engine's errors (some OSErrors): where, one line, no secret
+        raise as_oserror(e, what) from None
 
 
 # -- one step, from either tier --------------------------------------------------------
@@ -138,9 +151,10 @@ class LocalStep:
 class RemoteStep(LocalStep):
     """A committed step on an object store (``url`` is its ``step_<N>``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout: float | None = None) -> None:
         self.url = url.rstrip("/")
-        self.store = open_store(self.url)
+        self.timeout = TIMEOUT if timeout is None else timeout  # each read's deadline
+        self.store = open_store(self.url, remote_timeout=self.timeout)
         mpath = f"{self.url}/{MANIFEST_NAME}"
         data = self._run(self.store.get(MANIFEST_NAME), self.url)
         if data is None:
@@ -149,15 +163,8 @@ class RemoteStep(LocalStep):
                               "remote=...) finds the newest complete one", path=mpath)
         super().__init__(parse_manifest(data, mpath, self.url))
 
-    @staticmethod
-    def _run(coro: Any, url: str) -> Any:
-        try:
-            return run_sync(coro)
-        except (FormatError, OSError):
-            raise
-        except Exception as e:  # the engine's errors
-            raise OSError(scrub(f"reading {url} failed: {type(e).__name__}: {e}"
-                                ).splitlines()[0]) from None
+    def _run(self, coro: Any, url: str) -> Any:
+        return _run(coro, f"reading {url}", self.timeout)
 
     def meta(self, name: str) -> Meta:
         url = f"{self.url}/{name}{META_SUFFIX}"
@@ -174,7 +181,7 @@ class RemoteStep(LocalStep):
     def rank_file(self, name: str) -> Iterator[str]:
         """A checked local copy of the rank file ``name`` and its optimizer file,
         for the ``with``; a reader's FormatError about it names the URL."""
-        with fetched(f"{self.url}/{name}") as local:
+        with fetched(f"{self.url}/{name}", timeout=self.timeout) as local:
             yield local
 
 
@@ -224,8 +231,9 @@ class RemotePieces(_PieceReader):
         return self._cache.pop((p.file, p.offset))
 
 
-def open_step(path: str | os.PathLike[str]) -> LocalStep:
-    """The step ``path``: a local ``step_<N>`` directory, or a step's URL on an object store."""
+def open_step(path: str | os.PathLike[str], timeout: float | None = None) -> LocalStep:
+    """The step ``path``: a local ``step_<N>`` directory, or a step's URL on an object
+    store (read within ``timeout`` each)."""
     if is_url(path):
-        return RemoteStep(str(path))
+        return RemoteStep(str(path), timeout)
     return LocalStep(read_manifest(path))

@@ -11,8 +11,9 @@ committed locally, in commit order, on a thread and a gloo group of their own
     rank 0: if every rank's upload committed, and the step's remote listing has
             every file the manifest lists with its recorded size:
             put step_N/manifest.msgpack (the local manifest's bytes), last
-            then remote_keep_last: older complete steps lose their manifest
-            first, then their other objects
+            then remote_keep_last: the complete steps beyond the newest N in
+            write order (each manifest's created time), never this one, lose
+            their manifest first, then their other objects
     broadcast (step URL | None, reason) from rank 0            [upload group]
     resolve uploaded() on every rank: the step's URL, or UploadError
 
@@ -22,7 +23,9 @@ complete locally but not remotely (a crash, an outage, a close past
 
     rank 0: the complete local steps (manifest, sizes) that the remote tier
             lacks complete (tier.remote_complete_steps), or holds with other
-            files; those remote_keep_last would remove at once are skipped
+            files; those remote_keep_last would remove at once are skipped;
+            the listing is retried as an upload is, and if it still fails,
+            every rank runs the catch-up again after the next step's exchange
     broadcast (steps) from rank 0                             [upload group]
     every rank: its own file of each step, as the manifest lists it, to its
             sidecar's uploader (SnapshotWriter._upload_durable), oldest first
@@ -47,8 +50,9 @@ from ..engine.handles import WriteHandle
 from ..errors import UploadError
 from ..files.meta import META_SUFFIX
 from ..remote.fetch import run_sync
-from ..remote.store import Store, open_store, scrub
-from ..remote.upload import BACKLOG
+from ..remote.store import Store, open_store
+from ..remote.upload import BACKLOG, GaveUp, retrying
+from ..remote.url import describe
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle
 from .manifest import MANIFEST_NAME, _complete_local, _missing, read_manifest, step_dir, \
@@ -90,6 +94,7 @@ class Uploads:
         self.handed = threading.Event()
         self.catch_up_s = remote_timeout + group_timeout
         self.found: list[DistributedWriteHandle] = []   # the catch-up's steps, newest first
+        self.catch_up_due = False   # rank 0 could not list the remote tier: again later
         self.queue: "queue.Queue[DistributedWriteHandle | None]" = queue.Queue()
         self.lock = threading.Lock()
         self.unresolved: dict[int, DistributedWriteHandle] = {}
@@ -141,19 +146,31 @@ class Uploads:
         return ended
 
     def _run(self) -> None:
-        try:
-            self.found = self._catch_up()
-        except BaseException as e:  # a bug: the ranks' exchanges may no longer pair up
-            log.exception("snapsvc: looking for steps to upload from an earlier run failed")
-            self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
-        finally:
-            self.handed.set()
-        for h in self.found:
-            self._exchange(h)
+        self._catch_up_round()
         while True:
             h = self.queue.get()
             if h is None:
                 return
+            again = self.catch_up_due   # every rank knows it: their exchanges pair up
+            if again:   # before this step's uploaded() resolves: close() waits for the round
+                self.handed.clear()
+            self._exchange(h)
+            if again:
+                self._catch_up_round()
+
+    def _catch_up_round(self) -> None:
+        """The catch-up (its files handed to the sidecar, then ``handed`` set), then
+        the exchange of each step it found."""
+        try:
+            found = [] if self.broken is not None else self._catch_up()
+        except BaseException as e:  # a bug: the ranks' exchanges may no longer pair up
+            log.exception("snapsvc: looking for steps to upload from an earlier run failed")
+            self.broken = self.broken or f"rank {self.rank}: {_reason(e)}"
+            return
+        finally:
+            self.handed.set()
+        self.found += found
+        for h in found:
             self._exchange(h)
 
     def _exchange(self, h: DistributedWriteHandle) -> None:
@@ -167,7 +184,8 @@ class Uploads:
     # -- the catch-up ----------------------------------------------------------------
     def _catch_up(self) -> list[DistributedWriteHandle]:
         """The steps an earlier run left local-only, each rank's file of each handed to
-        its sidecar (see the module docstring); their handles, newest first."""
+        its sidecar (see the module docstring); their handles, newest first. When rank 0
+        could not list the remote tier, every rank tries again after the next step."""
         steps = self._left_local() if self.rank == 0 else []
         try:
             steps = _broadcast_msg(steps, self.root, self.group)
@@ -175,6 +193,9 @@ class Uploads:
             self.broken = f"agreeing on the steps an earlier run left local-only failed: " \
                           f"{_reason(e)}"
             log.error("snapsvc: %s; they stay local-only", self.broken)
+            return []
+        self.catch_up_due = steps is None
+        if steps is None:
             return []
         found = [self._hand_over(n) for n in sorted(steps)]  # oldest first in: newest out
         return found[::-1]
@@ -194,10 +215,11 @@ class Uploads:
             self.unresolved[h.seq] = h
         return h
 
-    def _left_local(self) -> list[int]:
+    def _left_local(self) -> list[int] | None:
         """Rank 0: the complete local steps of this world size that the remote tier lacks
         complete, or holds with other files, less those ``remote_keep_last`` would
-        remove at once; oldest first."""
+        remove at once; oldest first. None when the remote tier could not be listed
+        (retried as an upload is)."""
         local = {n: m for n, m in _complete_local(self.directory)}
         if not local:
             return []
@@ -206,11 +228,13 @@ class Uploads:
             return dict(await remote_complete_steps(self._store(), above=min(local) - 1))
 
         try:
-            remote = run_sync(asyncio.wait_for(listing(), self.remote_timeout))
-        except Exception as e:
-            log.error("snapsvc: listing %s at start failed (%s); steps an earlier run left "
-                      "local-only stay so", self.remote, scrub(_reason(e), self.options))
-            return []
+            remote = run_sync(retrying(listing, f"listing {self.remote} at start",
+                                       timeout=self.remote_timeout, options=self.options,
+                                       close_by=lambda: None))
+        except GaveUp as e:
+            log.error("snapsvc: %s; steps an earlier run left local-only are looked for "
+                      "again after the next step", e)
+            return None
         todo = [n for n, m in sorted(local.items())
                 if n not in remote or remote[n].ranks != m.ranks]
         other = [n for n in todo if local[n].world_size != self.world_size]
@@ -220,7 +244,9 @@ class Uploads:
                         self.directory)
             todo = [n for n in todo if n not in other]
         if self.keep_last is not None:
-            kept = sorted(set(remote) | set(todo), reverse=True)[:self.keep_last]
+            # write order, as _prune ranks: what each manifest records it was created at
+            when = {n: m.created for n, m in remote.items()} | {n: local[n].created for n in todo}
+            kept = sorted(when, key=lambda n: (when[n], n))[-self.keep_last:]
             late = [n for n in todo if n not in kept]
             if late:
                 log.warning("snapsvc: not uploading step(s) %s of %s: remote_keep_last=%d would "
@@ -284,7 +310,7 @@ class Uploads:
                     decision[0] = self._commit(h)
                 except Exception as e:
                     decision[1] = f"rank 0: writing the remote manifest: " \
-                                  f"{scrub(_reason(e), self.options)}"
+                                  f"{describe(e, self.options)}"
         committed_here = decision[0]
         try:
             decision = _broadcast_msg(decision, self.root, self.group)
@@ -304,10 +330,11 @@ class Uploads:
         self._done(h, url, None)
         if self.rank == 0 and self.keep_last is not None:
             try:
-                run_sync(asyncio.wait_for(self._prune(), self.remote_timeout))
+                run_sync(asyncio.wait_for(_prune(self._store(), self.keep_last, step),
+                                          self.remote_timeout))
             except Exception as e:
                 log.warning("remote rotation after step %d failed: %s", step,
-                            scrub(_reason(e), self.options))
+                            describe(e, self.options))
 
     def _store(self) -> Store:
         # opened in this thread, for each use: obstore's clients do not survive a fork()
@@ -333,28 +360,29 @@ class Uploads:
 
         return run_sync(asyncio.wait_for(commit(), self.remote_timeout))
 
-    async def _prune(self) -> None:
-        """``remote_keep_last``: the complete steps older than the newest ``keep_last``
-        complete ones lose their manifest first, then their ``.meta``, then the rest."""
-        assert self.keep_last is not None and self.keep_last >= 1  # the newest always stays
-        store = self._store()
-        objects = await store.list()
-        kept = await remote_complete_steps(store, objects=objects, enough=self.keep_last)
-        if len(kept) < self.keep_last:
-            return
-        oldest = kept[-1][0]
-        steps: dict[int, list[str]] = {}
-        for o in objects:
-            n = step_number(o.key.partition("/")[0])
-            if n is not None and n < oldest:
-                steps.setdefault(n, []).append(o.key)
-        for n, keys in sorted(steps.items()):
-            manifest = f"step_{n}/{MANIFEST_NAME}"
-            if manifest not in keys:
-                continue  # never committed: not a checkpoint of this series
-            await store.delete(manifest)  # first: it vouches for the rest
-            rest = sorted((k for k in keys if k != manifest),
-                          key=lambda k: not k.endswith(META_SUFFIX))
-            for k in rest:
-                await store.delete(k)
-            log.info("remote rotation: removed %s", store.key_url(f"step_{n}"))
+
+async def _prune(store: Store, keep_last: int, committed: int) -> None:
+    """``remote_keep_last``, rank 0's: the complete steps beyond the newest ``keep_last`` in
+    write order (the ``created`` time each manifest records, not the step number,
+    which a run resumed from an earlier step repeats) lose their manifest first,
+    then their ``.meta``, then the rest; never the step just ``committed``."""
+    assert keep_last >= 1  # the newest always stays
+    objects = await store.list()
+    ranked = sorted(await remote_complete_steps(store, objects=objects),
+                    key=lambda nm: (nm[1].created, nm[0]))
+    kept = {n for n, _ in ranked[-keep_last:]} | {committed}
+    steps: dict[int, list[str]] = {}
+    for o in objects:
+        n = step_number(o.key.partition("/")[0])
+        if n is not None and n not in kept:
+            steps.setdefault(n, []).append(o.key)
+    for n, keys in sorted(steps.items()):
+        manifest = f"step_{n}/{MANIFEST_NAME}"
+        if manifest not in keys:
+            continue  # never committed: an upload under way, or not a checkpoint
+        await store.delete(manifest)  # first: it vouches for the rest
+        rest = sorted((k for k in keys if k != manifest),
+                      key=lambda k: not k.endswith(META_SUFFIX))
+        for k in rest:
+            await store.delete(k)
+        log.info("remote rotation: removed %s", store.key_url(f"step_{n}"))

@@ -131,7 +131,8 @@ class DistributedSnapshotWriter:
         self.write_timeout = float(write_timeout if write_timeout is not None else coord_timeout)
         self.compressed = compressed
         self.drain_timeout = drain_timeout
-        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout)
+        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
+                                   remote_options)
         os.makedirs(self.directory, exist_ok=True)
         self._group = _new_group(process_group, self.coord_timeout)
         self._root = dist.get_global_rank(self._group, 0)
@@ -151,9 +152,11 @@ class DistributedSnapshotWriter:
             # A rank's sidecar must not upload at its start what it finds in the shared
             # directory: the other ranks' files are there too (their sidecars upload them).
             # It deletes the step's remote manifest before its files: a step saved again
-            # (a run resumed from an earlier one) is never complete over other bytes.
+            # (a run resumed from an earlier one) is never complete over other bytes. At its
+            # start it removes only its own rank's leftovers: another rank's upload may be live.
             self._writer._life.options.update(remote_scan=False,
-                                              remote_uncommit=(MANIFEST_NAME,))
+                                              remote_uncommit=(MANIFEST_NAME,),
+                                              remote_names=f"rank{self.rank}.*")
             group_timeout = self.coord_timeout + upload_wait(remote_timeout)
             self._upload_group = _new_group(process_group, group_timeout)
             # at its start, the steps an earlier run left local-only are uploaded (ranks

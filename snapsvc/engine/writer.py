@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import PathError, UnsafeCallError
-from ..remote.store import check_remote
+from ..remote.store import check_remote, remote_key
 from ..format import protocol
 from ..state.tree import check_plain
 from .book import Book
@@ -96,7 +96,8 @@ class SnapshotWriter:
         remote_keep_last: rotates the remote tier as ``keep_last`` does the local.
         remote_timeout: how long one upload may take, retries included, and
             how long :meth:`close` waits for uploads.
-        remote_options: passed to obstore's ``from_url``.
+        remote_options: passed to obstore's ``from_url`` (and to the boto3 client
+            that aborts leftover multipart uploads); checked here.
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -116,7 +117,8 @@ class SnapshotWriter:
                        compress_level=compress_level, nice=nice, incremental=incremental,
                        max_slot_bytes=max_slot_bytes)
         self.directory = os.path.abspath(directory) if directory is not None else None
-        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout)
+        self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
+                                   remote_options)
         self.slots = slots
         self.policy = policy
         self.restart = restart
@@ -270,11 +272,11 @@ class SnapshotWriter:
                  optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
         full = check_path(self.directory, path, optimizer=optimizer)
-        if self.remote is not None and self.directory is not None \
-                and os.path.commonpath([full, self.directory]) != self.directory:
-            raise PathError(f"{full} is outside the writer's directory {self.directory}; with "
-                            "remote=, a checkpoint's remote name is its path under directory, "
-                            "so write it there")
+        if self.remote is not None and self.directory is not None:
+            try:  # a name the remote tier cannot hold would fail every upload attempt
+                remote_key(self.remote, self.directory, full)
+            except ValueError as e:
+                raise PathError(str(e)) from None
         directory = os.path.dirname(full)
         if create:
             with self._book.cond:

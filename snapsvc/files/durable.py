@@ -393,8 +393,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
-    """Delete temp files in ``directory`` whose writing process is dead; return them."""
+def remove_stale_temps(directory: str | os.PathLike[str],
+                       only: Callable[[str, float], bool] | None = None) -> list[str]:
+    """Delete temp files in ``directory`` whose writing process is dead; return them.
+    ``only(final name, the temp's mtime)``, when given, must say yes too (a
+    directory shared across hosts, where another host's pid means nothing here)."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -407,6 +410,12 @@ def remove_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
         if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
             continue
         path = os.path.join(directory, name)
+        if only is not None:
+            try:
+                if not only(parts[0][1:], os.stat(path).st_mtime):
+                    continue
+            except FileNotFoundError:
+                continue
         try:
             os.unlink(path)
             removed.append(path)

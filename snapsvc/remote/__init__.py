@@ -2,14 +2,18 @@
 
 What each module holds::
 
+    url.py       remote URLs and keys, read and quoted in one place; messages without secrets
     store.py     where copies live: obstore for s3://, gs://, az://; durable files for a directory
     upload.py    Uploader: the thread of the writer sidecar that copies each durable checkpoint
-    fetch.py     a remote checkpoint as a checked local copy, for load/restore/verify by URL
+    upkeep.py    the uploader's start-up round (leftovers, catch-up) and remote_keep_last
+    fetch.py     a remote checkpoint read into memory and checked, for load/restore/verify by URL
     listing.py   the complete checkpoints of each tier (``snapsvc ls``)
 
 Imports: ``files``, ``format`` and ``errors``. obstore is imported only when an
-object store is used (``pip install 'snapsvc[remote]'``), and only in the
-process that uses it: its clients hang in a forked child.
+object store is used (``pip install 'snapsvc[remote]'``), and its clients are
+used only in the process that made them: they hang in a forked child. (A
+writer's construction builds one to check ``remote_options``, which starts no
+thread and makes no request.)
 """
 
 from .fetch import accepts_url, fetched, verify

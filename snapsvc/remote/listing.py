@@ -2,22 +2,21 @@
 
 A checkpoint is listed when its ``.meta`` exists beside its file (the commit
 marker on both tiers); its step is ``extra["step"]`` when the submit gave one,
-else the last number in its name.
+else the last number in its name. The tiers are merged by name and CRC-32: a
+name whose copies differ is listed once per tier.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from ..files.metafile import META_SUFFIX, Meta, companions, read_meta
-from .fetch import run_sync
+from ..files.metafile import META_SUFFIX, Meta, companions, parse_meta
+from .fetch import Progress, run_sync
 from .store import Store, open_store
 
 __all__ = ["Listed", "list_checkpoints"]
@@ -25,6 +24,7 @@ __all__ = ["Listed", "list_checkpoints"]
 log = logging.getLogger("snapsvc")
 
 _NUMBER = re.compile(r"\d+")
+_READS_IN_FLIGHT = 16
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Listed:
     metrics: dict[str, Any] = field(default_factory=dict)
     created: float | None = None
     tiers: list[str] = field(default_factory=list)
+    crc32: str | None = None  # the main file's, as its .meta records (hex)
 
 
 def _step(name: str, meta: Meta) -> int | None:
@@ -49,37 +50,50 @@ def _listed(name: str, meta: Meta, meta_bytes: int) -> Listed:
     size = meta.size + meta_bytes + sum(c.size for c in companions(name, meta))
     return Listed(name, _step(name, meta), size,
                   dict(meta.metrics) if isinstance(meta.metrics, dict) else {},
-                  meta.created if isinstance(meta.created, (int, float)) else None)
+                  meta.created if isinstance(meta.created, (int, float)) else None,
+                  crc32=f"{meta.crc32:08x}" if isinstance(meta.crc32, int) else None)
 
 
-async def _scan(store: Store) -> list[Listed]:
-    objects = {o.key: o.size for o in await store.list()}
+async def _scan(store: Store, progress: Progress | None) -> list[Listed]:
+    objects = {o.key: o.size for o in await store.list(progress=progress)}
     names = [k[: -len(META_SUFFIX)] for k in objects
              if k.endswith(META_SUFFIX) and k[: -len(META_SUFFIX)] in objects]
-    metas = await asyncio.gather(*(store.get(n + META_SUFFIX) for n in names))
+    gate = asyncio.Semaphore(_READS_IN_FLIGHT)
+    done = 0
+
+    async def get(name: str) -> bytes | None:
+        nonlocal done
+        async with gate:
+            data = await store.get(name + META_SUFFIX)
+        done += 1
+        if progress is not None:
+            progress("reading metadata", done, len(names))
+        return data
+
+    metas = await asyncio.gather(*(get(n) for n in names))
     out = []
-    with tempfile.TemporaryDirectory(prefix="snapsvc-ls-") as tmp:
-        for i, (name, data) in enumerate(zip(names, metas)):
-            if data is None:  # deleted meanwhile
-                continue
-            local = os.path.join(tmp, str(i))
-            with open(local + META_SUFFIX, "wb") as f:
-                f.write(data)
-            try:
-                out.append(_listed(name, read_meta(local), len(data)))
-            except FormatError as e:
-                log.warning("%s: unreadable metadata, not listed: %s",
-                            store.key_url(name + META_SUFFIX), e.reason)
+    for name, data in zip(names, metas):
+        if data is None:  # deleted meanwhile
+            continue
+        try:
+            out.append(_listed(name, parse_meta(data, store.key_url(name + META_SUFFIX)),
+                               len(data)))
+        except FormatError as e:
+            log.warning("%s: unreadable metadata, not listed: %s",
+                        store.key_url(name + META_SUFFIX), e.reason)
     return out
 
 
-def list_checkpoints(tiers: list[tuple[str, str]]) -> list[Listed]:
-    """The complete checkpoints of each ``(tier name, URL or directory)``,
-    merged by name, newest step first."""
-    merged: dict[str, Listed] = {}
+def list_checkpoints(tiers: list[tuple[str, str]], *,
+                     progress: Progress | None = None) -> list[Listed]:
+    """The complete checkpoints of each ``(tier name, URL or directory)``, newest
+    step first; one entry for a name the tiers hold alike (the same size and
+    CRC-32 of its file), one per tier where they differ (a local ``best.fdl``
+    rewritten since its upload). ``progress(phase, done, total)`` as it lists."""
+    merged: dict[tuple[str, int, str | None], Listed] = {}
     for tier, location in tiers:
-        for item in run_sync(_scan(open_store(location))):
-            known = merged.setdefault(item.name, item)
+        for item in run_sync(_scan(open_store(location), progress)):
+            known = merged.setdefault((item.name, item.bytes, item.crc32), item)
             known.tiers.append(tier)
     return sorted(merged.values(), key=lambda r: (r.step is not None, r.step or 0,
                                                    r.created or 0.0, r.name), reverse=True)

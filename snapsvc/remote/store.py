@@ -6,10 +6,9 @@ root (``step100.fdl``, ``run1/step100.fdl.meta``):
 - :meth:`Store.put`: a local file's bytes from an open file, checked on the
   way out against the size and CRC-32 its metadata records (a file that is
   not what the metadata says is never stored under the final name);
-- :meth:`Store.get`, :meth:`Store.download` (ranged, parallel reads into a
-  local file), :meth:`Store.list`, :meth:`Store.delete`;
+- :meth:`Store.get`, :meth:`Store.get_range`, :meth:`Store.list`, :meth:`Store.delete`;
 - :meth:`Store.abort_stale_uploads`: multipart uploads (object stores) or temp
-  files (directories) a dead writer left behind.
+  files (directories) a dead writer left behind, of the keys a writer owns.
 
 Object stores. obstore is the engine: one wheel for S3, GCS and Azure, with
 jittered retries built in; measured against s3fs and boto3 in issue 22
@@ -24,8 +23,11 @@ Directories (a Lustre or NFS mount): the local tier's rules, temp file,
 fsync, rename, directory fsync (:mod:`snapsvc.durable`).
 
 Credentials come only from the environment and the engine's own chain
-(``AWS_*``, ``GOOGLE_*``, ``AZURE_*``) or ``remote_options``; no message
-snapsvc writes contains them (:func:`scrub`).
+(``AWS_*``, ``GOOGLE_*``, ``AZURE_*``) or ``remote_options``, checked at a
+writer's construction (:func:`check_options`); the boto3 client that lists
+multipart uploads is built from the same configuration; no message snapsvc
+writes contains them (:func:`~snapsvc.remote.url.scrub`). URLs are read and
+quoted in :mod:`snapsvc.remote.url`.
 """
 
 from __future__ import annotations
@@ -34,59 +36,31 @@ import asyncio
 import errno
 import importlib.util
 import os
+import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
 from isal import isal_zlib
 
 from ..files.durable import commit, fsync_dir, remove_stale_temps, staged_write, TMP_SUFFIX
+from .url import SCHEMES, RemoteURL, check_key, describe, is_url, parse_url, scrub, split_url
 
 __all__ = ["SCHEMES", "PART", "Store", "ObjectStore", "DirStore", "StoredObject", "is_url",
-           "open_store", "check_remote", "split_url", "scrub", "CorruptSource"]
+           "open_store", "check_remote", "check_options", "remote_key", "split_url", "scrub",
+           "describe",
+           "CorruptSource"]
 
-# URL schemes that name an object store (obstore's from_url); anything else is a directory
-SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
 # multipart part size and ranged-read size: 8 MiB, the size the local tier writes in
 PART = 8 << 20
-# ranged reads in flight for one file
-_READS_IN_FLIGHT = 8
-# environment variables whose values must never reach a message
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID",
-               "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_SAS_KEY",
-               "AZURE_CLIENT_SECRET", "GOOGLE_SERVICE_ACCOUNT_KEY")
-_SECRET_WORDS = ("secret", "key", "token", "password", "sas", "credential")
-
-
-def is_url(location: str | os.PathLike[str]) -> bool:
-    """Does ``location`` name an object store (``s3://``, ``gs://``, ``az://`` ...)?"""
-    if not isinstance(location, str):
-        return False
-    scheme, sep, _ = location.partition("://")
-    return bool(sep) and scheme.lower() in SCHEMES
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b.fdl`` -> (``s3://bucket/a``, ``b.fdl``)."""
-    root, _, name = url.rstrip("/").rpartition("/")
-    if "://" not in root:  # s3://bucket.fdl: no bucket left
-        raise ValueError(f"{url}: not a checkpoint inside a bucket (expected s3://bucket/name)")
-    return root, name
-
-
-def scrub(message: str, options: dict[str, Any] | None = None) -> str:
-    """``message`` with every credential snapsvc knows of replaced by ``***``:
-    the values of the usual secret environment variables and of the options
-    whose names say they are secret. Engines' errors can echo their input."""
-    secrets = [os.environ.get(k) for k in _SECRET_ENV]
-    for k, v in (options or {}).items():
-        if isinstance(v, str) and any(w in k.lower() for w in _SECRET_WORDS):
-            secrets.append(v)
-    for s in secrets:
-        if s and len(s) >= 4:
-            message = message.replace(s, "***")
-    return message
+# obstore's HTTP client options: only under "client_options" (at the top level obstore panics)
+_CLIENT_KEYS = ("allow_http", "allow_invalid_certificates", "connect_timeout",
+                "default_content_type", "default_headers", "pool_idle_timeout",
+                "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+                "root_certificate", "randomize_addresses", "read_timeout", "timeout",
+                "user_agent")
 
 
 class CorruptSource(OSError):
@@ -97,6 +71,7 @@ class CorruptSource(OSError):
 class StoredObject:
     key: str
     size: int
+    modified: float = 0.0  # seconds since the epoch, as the store records it
 
 
 def _chunks(file: BinaryIO, key: str, size: int, crc32: int) -> Iterator[bytes]:
@@ -119,6 +94,11 @@ def _chunks(file: BinaryIO, key: str, size: int, crc32: int) -> Iterator[bytes]:
         raise CorruptSource(errno.EIO, f"{key}: the local file has {got}+ bytes of crc32 "
                             f"{crc:08x}, its metadata says {size} bytes of crc32 {crc32:08x}; "
                             "not uploaded")
+
+
+Owned = Callable[[str], bool]
+# (phase, done, total or None): snapsvc.files.tensors.Progress, without its torch import
+Progress = Callable[[str, int, "int | None"], None]
 
 
 class Store:
@@ -146,33 +126,20 @@ class Store:
     async def get_range(self, key: str, start: int, end: int) -> memoryview:
         raise NotImplementedError
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
-        """Every object whose key starts with ``prefix``."""
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
+        """Every object whose key starts with ``prefix``; ``progress("listing", n, None)``
+        as they come."""
         raise NotImplementedError
 
     async def delete(self, key: str) -> None:
         """Remove ``key``; one that is gone already is no error."""
         raise NotImplementedError
 
-    async def abort_stale_uploads(self) -> int:
-        """Remove what dead writers left unfinished; how many."""
+    async def abort_stale_uploads(self, before: float, owned: Owned) -> int:
+        """Remove the unfinished uploads (multipart uploads, temp files) of the keys
+        ``owned`` says are this writer's, begun before the time ``before``; how many."""
         raise NotImplementedError
-
-    async def download(self, key: str, dest: str, size: int) -> None:
-        """``key`` into the new file ``dest`` in :data:`PART` ranges,
-        :data:`_READS_IN_FLIGHT` at a time, each written at its offset."""
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            gate = asyncio.Semaphore(_READS_IN_FLIGHT)
-
-            async def part(start: int) -> None:
-                async with gate:
-                    data = await self.get_range(key, start, min(start + PART, size))
-                    os.pwrite(fd, data, start)
-
-            await asyncio.gather(*(part(s) for s in range(0, size, PART)))
-        finally:
-            os.close(fd)
 
 
 def _defaults(remote_timeout: float) -> dict[str, Any]:
@@ -193,20 +160,39 @@ def _defaults(remote_timeout: float) -> dict[str, Any]:
     }
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _seconds(value: Any) -> float:
+    """A client option's duration (a timedelta, or obstore's text: ``2s``, ``500ms``)
+    in seconds, for boto3; 10 s where it is not one of those."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    found = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    return float(found.group(1)) * _UNIT_S[found.group(2)] if found else 10.0
+
+
 class ObjectStore(Store):
     """An S3, GCS or Azure prefix through obstore."""
 
-    def __init__(self, url: str, *, remote_timeout: float = 300.0,
-                 options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str | RemoteURL, *, remote_timeout: float = 300.0,
+                 options: Mapping[str, Any] | None = None) -> None:
         from obstore.store import from_url  # imported here: obstore is an optional extra
 
-        self.url = url.rstrip("/")
+        self.where = url if isinstance(url, RemoteURL) else parse_url(url)
+        self.url = self.where.url
         self.remote_timeout = remote_timeout
         self.options = dict(options or {})
         kwargs = _defaults(remote_timeout)
+        rest = dict(self.options)
         for name in ("retry_config", "client_options"):
-            kwargs[name] = {**kwargs[name], **self.options.pop(name, {})}
-        self._store = from_url(self.url, **kwargs, **self.options)
+            kwargs[name] = {**kwargs[name], **(rest.pop(name, None) or {})}
+        self._client_options = kwargs["client_options"]
+        self._store = from_url(self.where.engine_url, **kwargs, **rest)
+
+    def key_url(self, key: str) -> str:
+        return self.where.join(key)
 
     async def put(self, key: str, file: BinaryIO, *, size: int | None = None,
                   crc32: int | None = None) -> None:
@@ -247,12 +233,16 @@ class ObjectStore(Store):
 
         return memoryview(await obstore.get_range_async(self._store, key, start=start, end=end))
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
         import obstore
 
-        out = []
+        out: list[StoredObject] = []
         async for batch in obstore.list(self._store, prefix or None):
-            out.extend(StoredObject(o["path"], o["size"]) for o in batch)
+            out.extend(StoredObject(o["path"], o["size"], o["last_modified"].timestamp())
+                       for o in batch)
+            if progress is not None:
+                progress("listing", len(out), None)
         return out
 
     async def delete(self, key: str) -> None:
@@ -263,40 +253,53 @@ class ObjectStore(Store):
         except FileNotFoundError:
             pass
 
-    async def abort_stale_uploads(self) -> int:
+    async def abort_stale_uploads(self, before: float, owned: Owned) -> int:
         """S3 only, through boto3 (in ``snapsvc[remote]``; skipped where it is not
         installed): obstore has no call to list multipart uploads. Elsewhere a
         bucket lifecycle rule does this (S3's and GCS's
         ``AbortIncompleteMultipartUpload``; Azure drops uncommitted blocks after
         7 days on its own)."""
-        if not self.url.startswith(("s3://", "s3a://")):
+        if self.where.scheme not in ("s3", "s3a"):
             return 0
         try:
             import boto3
         except ImportError:
             return 0
-        return await asyncio.to_thread(_abort_s3_uploads, boto3, self.url, self.options,
-                                       self.remote_timeout)
+        return await asyncio.to_thread(self._abort_s3_uploads, boto3, before, owned)
 
+    def _boto3_client(self, boto3: Any) -> Any:
+        """boto3's S3 client, configured as this store is: from the options as
+        obstore read them (one configuration for both), the environment for the rest."""
+        from botocore.config import Config
 
-def _abort_s3_uploads(boto3: Any, url: str, options: dict[str, Any], timeout: float) -> int:
-    """Abort every multipart upload under ``url``'s prefix (boto3 reads the
-    same environment as obstore; an endpoint in ``options`` is passed on)."""
-    from botocore.config import Config
+        cfg = self._store.config
+        client = self._client_options  # each request's; the caller's deadline bounds all
+        virtual = str(cfg.get("virtual_hosted_style_request", "")).lower() == "true"
+        return boto3.client(
+            "s3", endpoint_url=cfg.get("endpoint"), region_name=cfg.get("region"),
+            aws_access_key_id=cfg.get("access_key_id"),
+            aws_secret_access_key=cfg.get("secret_access_key"),
+            aws_session_token=cfg.get("session_token"),
+            config=Config(connect_timeout=_seconds(client.get("connect_timeout")),
+                          read_timeout=_seconds(client.get("timeout")),
+                          retries={"max_attempts": 2},
+                          s3={"addressing_style": "virtual" if virtual else "path"}))
 
-    bucket, _, prefix = url.split("://", 1)[1].partition("/")
-    endpoint = options.get("endpoint") or options.get("aws_endpoint") or None
-    limit = min(10.0, timeout)  # each request; the caller's deadline bounds the whole
-    client = boto3.client("s3", endpoint_url=endpoint, config=Config(
-        connect_timeout=limit, read_timeout=limit, retries={"max_attempts": 2}))
-    count = 0
-    pages = client.get_paginator("list_multipart_uploads").paginate(
-        Bucket=bucket, Prefix=f"{prefix}/" if prefix else "")
-    for page in pages:
-        for up in page.get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-            count += 1
-    return count
+    def _abort_s3_uploads(self, boto3: Any, before: float, owned: Owned) -> int:
+        client = self._boto3_client(boto3)
+        bucket, prefix = self.where.bucket, self.where.prefix
+        count = 0
+        pages = client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=bucket, Prefix=f"{prefix}/" if prefix else "")
+        for page in pages:
+            for up in page.get("Uploads", []):
+                key = up["Key"][len(prefix) + 1:] if prefix else up["Key"]
+                if up["Initiated"].timestamp() >= before or not owned(key):
+                    continue  # maybe live: another writer's, or begun since this one started
+                client.abort_multipart_upload(Bucket=bucket, Key=up["Key"],
+                                              UploadId=up["UploadId"])
+                count += 1
+        return count
 
 
 class DirStore(Store):
@@ -351,7 +354,8 @@ class DirStore(Store):
                 return memoryview(os.pread(f.fileno(), end - start, start))
         return await asyncio.to_thread(read)
 
-    async def list(self, prefix: str = "") -> list[StoredObject]:
+    async def list(self, prefix: str = "", *,
+                   progress: Progress | None = None) -> list[StoredObject]:
         def walk() -> list[StoredObject]:
             out = []
             for d, _, names in os.walk(self.root):
@@ -362,9 +366,12 @@ class DirStore(Store):
                     key = os.path.relpath(p, self.root).replace(os.sep, "/")
                     if key.startswith(prefix):
                         try:
-                            out.append(StoredObject(key, os.stat(p).st_size))
+                            st = os.stat(p)
                         except FileNotFoundError:
-                            pass
+                            continue
+                        out.append(StoredObject(key, st.st_size, st.st_mtime))
+                if progress is not None:
+                    progress("listing", len(out), None)
             return out
         return await asyncio.to_thread(walk)
 
@@ -376,21 +383,29 @@ class DirStore(Store):
             return
         fsync_dir(os.path.dirname(path))
 
-    async def abort_stale_uploads(self) -> int:
+    async def abort_stale_uploads(self, before: float, owned: Owned) -> int:
+        """Temp files of dead writers (by pid, on this host), last written before
+        ``before`` (a writer on another host sharing the mount has another pid space)."""
         def sweep() -> int:
-            return sum(len(remove_stale_temps(d)) for d, _, _ in os.walk(self.root))
+            count = 0
+            for d, _, _ in os.walk(self.root):
+                folder = os.path.relpath(d, self.root).replace(os.sep, "/")
+                folder = "" if folder == "." else folder + "/"
+                count += len(remove_stale_temps(
+                    d, lambda name, mtime, folder=folder: mtime < before and owned(folder + name)))
+            return count
         return await asyncio.to_thread(sweep)
 
 
 def open_store(location: str | os.PathLike[str], *, remote_timeout: float = 300.0,
-               options: dict[str, Any] | None = None) -> Store:
+               options: Mapping[str, Any] | None = None) -> Store:
     """The store for a URL (``s3://bucket/prefix``, ``gs://``, ``az://``) or a directory.
 
     Call it in the process that will use the store (obstore's clients do not
     survive ``fork()``).
     """
     if is_url(location):
-        return ObjectStore(location, remote_timeout=remote_timeout, options=options)
+        return ObjectStore(str(location), remote_timeout=remote_timeout, options=options)
     if isinstance(location, str) and "://" in location and not location.startswith("file://"):
         raise ValueError(f"{location}: unknown remote scheme; use one of "
                          f"{', '.join(s + '://' for s in SCHEMES)} or a directory")
@@ -398,13 +413,59 @@ def open_store(location: str | os.PathLike[str], *, remote_timeout: float = 300.
     return DirStore(path[len("file://"):] if path.startswith("file://") else path)
 
 
+def check_options(remote: str, options: Mapping[str, Any] | None,
+                  remote_timeout: float) -> dict[str, Any]:
+    """``remote_options`` checked at construction, where a bad one is a ValueError
+    (in the sidecar it would stop every upload): by building the store from them,
+    which reads them and touches no network."""
+    opts = dict(options or {})
+    if not is_url(remote):
+        if opts:
+            raise ValueError(f"remote_options {sorted(map(str, opts))} apply to object stores; "
+                             f"the remote {remote} is a directory")
+        return opts
+    for key, value in opts.items():
+        if key in _CLIENT_KEYS:
+            raise ValueError(f"remote_options[{key!r}] is an HTTP client option: give it as "
+                             f"remote_options={{'client_options': {{{key!r}: ...}}}}")
+        if key in ("client_options", "retry_config") and not isinstance(value, Mapping):
+            raise ValueError(f"remote_options[{key!r}] must be a dict, got "
+                             f"{type(value).__name__}")
+    try:
+        pickle.dumps(opts)  # they travel to the sidecar
+        ObjectStore(remote, remote_timeout=remote_timeout, options=opts)
+    except Exception as e:
+        raise ValueError(f"remote_options for {remote} refused: {describe(e, opts)}") from None
+    except BaseException as e:  # pyo3's PanicException: obstore refused a value by panicking
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"remote_options for {remote} refused: {describe(e, opts)}") from None
+    return opts
+
+
+def remote_key(remote: str, directory: str, path: str) -> str:
+    """The remote key of the checkpoint ``path``: its path under ``directory``;
+    ValueError for a path outside it, or a name the remote cannot hold."""
+    if os.path.commonpath([path, directory]) != directory:
+        raise ValueError(f"{path} is outside the writer's directory {directory}; with "
+                         "remote=, a checkpoint's remote name is its path under directory, "
+                         "so write it there")
+    key = os.path.relpath(path, directory).replace(os.sep, "/")
+    if is_url(remote):
+        check_key(key, f"{path}: its name on the remote tier {remote}")
+    return key
+
+
 def check_remote(remote: str | os.PathLike[str] | None, directory: str | None,
-                 keep_last: int | None, timeout: float) -> str | None:
+                 keep_last: int | None, timeout: float,
+                 options: Mapping[str, Any] | None = None) -> str | None:
     """A writer's remote settings checked at construction; the remote as a
     string (a URL, or a directory made absolute), None without one."""
     if remote is None:
         if keep_last is not None:
             raise ValueError("remote_keep_last needs remote=")
+        if options:
+            raise ValueError("remote_options needs remote=")
         return None
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"remote_keep_last must be >= 1 or None, got {keep_last}")
@@ -416,10 +477,17 @@ def check_remote(remote: str | os.PathLike[str] | None, directory: str | None,
     if is_url(remote):
         if importlib.util.find_spec("obstore") is None:
             raise ImportError(f"remote={remote!r} needs obstore: pip install 'snapsvc[remote]'")
-        return str(remote).rstrip("/")
+        url = parse_url(str(remote)).url  # credentials, and what cannot round-trip, refused
+        check_options(url, options, timeout)
+        return url
     store = open_store(remote)  # an unknown scheme is a ValueError here
     assert isinstance(store, DirStore)
-    if os.path.commonpath([store.root, directory]) == directory:
-        raise ValueError(f"remote directory {store.root} is inside the local directory "
-                         f"{directory}; use a directory outside it")
+    check_options(store.root, options, timeout)
+    # real paths: a remote that reaches the local directory through a symlink is the same
+    # directory, and its rotation would delete what keep_last keeps
+    real, local = os.path.realpath(store.root), os.path.realpath(directory)
+    if os.path.commonpath([real, local]) in (real, local):
+        raise ValueError(f"remote directory {store.root} (really {real}) is the local directory "
+                         f"{directory} (really {local}), inside it, or contains it; use a "
+                         "directory apart from it")
     return store.root

@@ -16,26 +16,28 @@ goes next. At most ``backlog`` wait; the oldest beyond that are skipped and
 reported. A name queued again replaces its older entry (which is reported
 skipped). :meth:`Uploader.pending` tells the local rotation which files it
 must not delete yet: a job's files are opened (under the writer's lock, so
-never between a checkpoint's renames) when its upload starts, and from then
-on deleting their names changes nothing for it.
+never between a checkpoint's renames) when its upload starts and held open
+until it ends, retries included; from then on deleting their names changes
+nothing for it.
 
 Faults. Each request is retried by the engine with jittered backoff; a failed
 attempt is retried whole, until ``remote_timeout`` after the upload started;
-then the checkpoint is reported failed and the queue goes on. A local file
-that does not match its metadata is not retried (it never will).
+then the checkpoint is reported failed and the queue goes on. A NotFound from
+the store is retried too (a multipart upload aborted under it: the upload
+starts again). Not retried, as they never succeed: a local file that does not
+match its metadata, a name or value the store refuses. A failure of the
+thread itself fails every queued upload with its cause, and the next upload
+starts the thread again.
 
-Restart. At start, unfinished uploads a dead writer left are aborted
-(:meth:`~snapsvc.remote.store.Store.abort_stale_uploads`), and (unless
-``scan=False``: a rank of a multi-rank writer, whose directory also holds the
-other ranks' files; its ranks agree on what to upload, see
-:mod:`snapsvc.distributed.uploads`) every checkpoint under the local directory that is
-complete locally but not remotely (no remote ``.meta``, or one with other
-bytes) is queued.
+Restart. At start, and retried as an upload is until it succeeds (then again
+every ``remote_timeout``), the start-up round of :mod:`snapsvc.remote.upkeep`:
+unfinished uploads that dead writers left are aborted, data objects without
+``.meta`` removed, and (unless ``scan=False``: a rank of a multi-rank writer,
+whose directory also holds the other ranks' files; its ranks agree on what to
+upload, see :mod:`snapsvc.distributed.uploads`) every checkpoint complete
+locally but not remotely is queued. Uploads go on meanwhile.
 
-Retention (``keep_last``): after each upload, the remote checkpoints of the
-same series (names in one folder that differ only in digits, as for the local
-tier; ``best.fdl`` is its own series) beyond the newest ``keep_last`` by the
-numbers in their names are deleted, ``.meta`` first, then the data.
+Retention (``keep_last``): after each upload, :func:`snapsvc.remote.upkeep.prune`.
 """
 
 from __future__ import annotations
@@ -45,35 +47,23 @@ import collections
 import io
 import logging
 import os
-import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, BinaryIO, Callable, TypeVar
 
-from ..files.durable import TMP_SUFFIX
-from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, checkpoint_names, companions, read_meta
+from .store import CorruptSource, Store, open_store, remote_key
+from .upkeep import Scope, prune, series_of, start_up
+from .url import describe
 
-from .store import CorruptSource, Store, open_store, scrub
-
-__all__ = ["BACKLOG", "UploadJob", "Uploader", "series_of"]
+__all__ = ["BACKLOG", "UploadJob", "Uploader", "series_of", "retrying", "GaveUp"]
 
 log = logging.getLogger("snapsvc.remote")
 
 BACKLOG = 4
-_DIGITS = re.compile(r"\d+")
 _RETRY_S = (1.0, 2.0, 4.0, 8.0)  # between whole attempts, then 8 s each
-
-
-def series_of(key: str) -> tuple[str, str]:
-    """(folder, name with each run of digits as ``#``): the rotation series of a key."""
-    folder, _, name = key.rpartition("/")
-    return folder, _DIGITS.sub("#", name)
-
-
-def _number(key: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in _DIGITS.findall(key.rpartition("/")[2]))
+T = TypeVar("T")
 
 
 @dataclass
@@ -85,6 +75,18 @@ class UploadJob:
     key: str   # its key under the remote root
 
 
+@dataclass
+class _Opened:
+    """A job's files, open from its first attempt to its end: (key, file, size, crc32)."""
+
+    meta: bytes
+    files: list[tuple[str, BinaryIO, int, int]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for _, f, _, _ in self.files:
+            f.close()
+
+
 Callback = Callable[[UploadJob, "str | None", "str | None", bool], None]
 
 
@@ -94,18 +96,21 @@ class Uploader:
     ``on_done(job, url, error, skipped)`` is called from that thread for each
     job: ``url`` on success, else ``error`` (no credentials in it).
     ``files_lock`` is held by the writer around each local write and rotation.
+    ``names``: a file-name pattern of the only remote files this writer may
+    remove at start (a rank's ``rank3.*``; see :class:`~snapsvc.remote.upkeep.Scope`).
     """
 
     def __init__(self, location: str, directory: str, *, remote_timeout: float,
                  options: dict[str, Any] | None, keep_last: int | None,
                  on_done: Callback, files_lock: threading.Lock | None = None,
                  backlog: int = BACKLOG, scan: bool = True,
-                 uncommit: tuple[str, ...] = ()) -> None:
+                 uncommit: tuple[str, ...] = (), names: str | None = None) -> None:
         self.location = location
         self.scan = scan  # queue at start what the directory holds and the remote lacks
         # names in a checkpoint's folder that vouch for it too (a multi-rank step's
         # manifest): deleted with its .meta, before any data
         self.uncommit = tuple(uncommit)
+        self.names = names
         self.directory = os.path.abspath(directory)
         self.remote_timeout = remote_timeout
         self.options = dict(options or {})
@@ -117,27 +122,32 @@ class Uploader:
         self._queue: collections.deque[UploadJob] = collections.deque()
         self._unopened: set[str] = set()  # paths whose files the local rotation must keep
         self._released: list[str] = []    # paths that left _unopened since the last call
-        self._active = False
+        self._active: UploadJob | None = None
+        # paths whose upload this writer began, until the start-up round has run
+        self._taken: set[str] | None = set()
         self._close_by: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._event: asyncio.Event | None = None
+        self._starting = True  # the first start-up round has not ended
+        self._created: dict[str, tuple[float, float]] = {}  # for prune: one read per .meta
         self._started = 0.0
-        self._thread = threading.Thread(target=self._run, name="snapsvc-upload", daemon=True)
+        self._thread: threading.Thread | None = None
 
     # --- the writer's side -------------------------------------------------
 
     def start(self) -> None:
         self._started = time.time()
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="snapsvc-upload", daemon=True)
         self._thread.start()
 
     def key(self, path: str) -> str:
-        """The remote key of the local file ``path`` (ValueError if outside the directory)."""
-        rel = os.path.relpath(os.path.abspath(path), self.directory)
-        if rel.startswith(os.pardir + os.sep) or rel == os.pardir or os.path.isabs(rel):
-            raise ValueError(f"{path} is outside the writer's directory {self.directory}: "
-                             "only files under it are uploaded")
-        return rel.replace(os.sep, "/")
+        """The remote key of the local file ``path`` (ValueError if outside the
+        directory, or a name the remote cannot hold)."""
+        return remote_key(self.location, self.directory, os.path.abspath(path))
 
     def enqueue(self, seq: int | None, path: str) -> None:
         """Queue the checkpoint ``path`` (durable locally) for upload."""
@@ -156,6 +166,11 @@ class Uploader:
                                      "checkpoints were queued (newest go first)"))
             for old, _ in dropped:
                 self._forget(old)
+            # a thread that failed starts again with the next upload
+            restart = self._thread is not None and not self._thread.is_alive() \
+                and self._close_by is None
+            if restart:
+                self._start_thread()
         self._wake()
         for old, why in dropped:
             log.warning("not uploading %s: %s", old.path, why)
@@ -174,7 +189,7 @@ class Uploader:
 
     def idle(self) -> bool:
         with self._mutex:
-            return not self._queue and not self._active
+            return not self._queue and self._active is None
 
     def close(self, timeout: float) -> None:
         """Upload what is queued for up to ``timeout`` s, then give up on the rest
@@ -182,14 +197,20 @@ class Uploader:
         deadline = time.monotonic() + timeout
         with self._mutex:
             self._close_by = deadline
+            thread = self._thread
         self._wake()
-        if not self._thread.is_alive():
+        if thread is None or not thread.is_alive():
+            self._fail_queued("not uploaded: the writer closed before its turn")
             return
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        if self._thread.is_alive() and self._loop is not None and self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(30.0)
-        if self._thread.is_alive():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        loop, task = self._loop, self._task
+        if thread.is_alive() and loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop ended meanwhile
+                pass
+        thread.join(30.0)
+        if thread.is_alive():
             log.error("the upload thread did not stop within 30 s of its deadline")
 
     def _wake(self) -> None:
@@ -207,182 +228,218 @@ class Uploader:
             self._unopened.discard(job.path)
             self._released.append(job.path)
 
-    # --- the upload thread -------------------------------------------------
+    def _busy(self) -> set[str]:
+        """The keys of this writer's uploads, queued or under way (never removed at start)."""
+        with self._mutex:
+            jobs = list(self._queue) + ([self._active] if self._active else [])
+        return {k for j in jobs for k in checkpoint_names(j.key)}
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException:  # a bug must not leave handles waiting: fail what is left
-            log.exception("the upload thread failed")
+    def _handled(self, path: str) -> bool:
+        """Is ``path`` queued, or was its upload begun, by this writer? (the start-up
+        round, running beside the uploads, leaves it alone)"""
+        with self._mutex:
+            return path in self._unopened or path in (self._taken or ())
+
+    def _fail_queued(self, why: str) -> None:
+        """Report every queued job failed with ``why`` (the thread is not running)."""
         with self._mutex:
             left = list(self._queue)
             self._queue.clear()
             for job in left:
                 self._forget(job)
         for job in left:
-            self._on_done(job, None, "not uploaded: the writer closed before its turn "
-                                     f"(remote_timeout={self.remote_timeout:g} s)", False)
+            self._on_done(job, None, why, False)
+
+    # --- the upload thread -------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except asyncio.CancelledError:  # close() ran out of time: the rest is reported below
+            pass
+        except BaseException as e:  # a bug, or the engine panicking: no handle may wait
+            why = describe(e, self.options)
+            log.error("the upload thread failed (%s); the next upload starts it again", why,
+                      exc_info=(type(e), e, e.__traceback__))
+            self._fail_queued(f"not uploaded: the upload thread failed: {why}")
+            return
+        self._fail_queued("not uploaded: the writer closed before its turn "
+                          f"(remote_timeout={self.remote_timeout:g} s)")
 
     async def _main(self) -> None:
         self._event = asyncio.Event()
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
+        self._wake()  # an enqueue before the loop existed
         store = open_store(self.location, remote_timeout=self.remote_timeout,
                            options=self.options)
-        await self._restart(store)
-        while True:
-            job = await self._next()
-            if job is None:
-                return
+        background = asyncio.create_task(self._start_up(store))
+        try:
+            while True:
+                job = await self._next()
+                if job is None:
+                    return
+                await self._one(store, job)
+        finally:
+            background.cancel()
+
+    async def _one(self, store: Store, job: UploadJob) -> None:
+        """Upload ``job`` and report it; then rotate its series."""
+        try:
+            url, error = await self._upload(store, job), None
+        except GaveUp as e:
+            url, error = None, str(e)
+        except asyncio.CancelledError:  # close() ran out of time during this one
+            log.warning("not uploaded: %s; the writer closed before its upload committed "
+                        "(remote_timeout=%g s)", job.path, self.remote_timeout)
+            self._on_done(job, None, "not uploaded: the writer closed before its upload "
+                          f"committed (remote_timeout={self.remote_timeout:g} s)", False)
+            raise
+        except BaseException as e:  # a bug, an engine panic: this job fails, the queue goes on
+            log.exception("uploading %s failed", job.path)
+            url, error = None, f"{store.key_url(job.key)}: {describe(e, self.options)}"
+        finally:
+            with self._mutex:
+                self._active = None
+        if error is not None:
+            log.error("uploading %s failed: %s", job.path, error)
+        self._on_done(job, url, error, False)
+        if url is not None and self.keep_last is not None:
             try:
-                url, error = await self._upload(store, job), None
-            except _Failed as e:
-                url, error = None, str(e)
-            except asyncio.CancelledError:  # close() ran out of time during this one
-                self._on_done(job, None, "not uploaded: the writer closed before its upload "
-                              f"committed (remote_timeout={self.remote_timeout:g} s)", False)
-                raise
-            finally:
-                with self._mutex:
-                    self._active = False
-            if error is not None:
-                log.error("uploading %s failed: %s", job.path, error)
-            self._on_done(job, url, error, False)
-            if url is not None and self.keep_last is not None:
-                try:
-                    await asyncio.wait_for(self._prune(store, job.key), self.remote_timeout)
-                except (OSError, asyncio.TimeoutError) as e:
-                    log.warning("remote rotation after %s failed: %s", job.key,
-                                scrub(str(e), self.options))
+                await asyncio.wait_for(prune(store, job.key, self.keep_last, self._created),
+                                       self.remote_timeout)
+            except Exception as e:  # the engine's errors, a timeout: the next upload retries
+                log.warning("remote rotation after %s failed: %s", job.key,
+                            describe(e, self.options))
 
     async def _next(self) -> UploadJob | None:
-        """Wait for the newest job; None once closing and nothing is left."""
+        """Wait for the newest job; None once closing, nothing is left and the
+        first start-up round has ended (it may queue more)."""
         assert self._event is not None
         while True:
             self._event.clear()  # before looking: a later enqueue sets it again
             with self._mutex:
                 if self._queue:
-                    self._active = True
-                    return self._queue.pop()
-                if self._close_by is not None:
+                    self._active = self._queue.pop()
+                    if self._taken is not None:
+                        self._taken.add(self._active.path)
+                    return self._active
+                if self._close_by is not None and not self._starting:
                     return None
             await self._event.wait()
 
-    async def _restart(self, store: Store) -> None:
-        """Abort a dead writer's unfinished uploads; queue what it did not commit."""
+    async def _start_up(self, store: Store) -> None:
+        """The start-up round, retried as an upload is, then every ``remote_timeout``."""
+        scope = Scope(self.directory, self.names, self._busy)
         try:
-            aborted = await asyncio.wait_for(store.abort_stale_uploads(), self.remote_timeout)
-            if aborted:
-                log.info("aborted %d unfinished upload(s) under %s", aborted, store.url)
-            if not self.scan:
-                return
-            remote = {o.key: o.size for o in await asyncio.wait_for(store.list(),
-                                                                     self.remote_timeout)}
-            todo = []
-            for path in _local_checkpoints(self.directory):
-                if os.stat(path + META_SUFFIX).st_mtime >= self._started or self.pending(path):
-                    continue  # written by this writer: queued by it
-                key = self.key(path)
-                if key + META_SUFFIX in remote:
-                    with open(path + META_SUFFIX, "rb") as f:
-                        local_meta = f.read()
-                    if await store.get(key + META_SUFFIX) == local_meta:
-                        continue
-                todo.append((os.stat(path + META_SUFFIX).st_mtime, path))
-        except Exception as e:  # the engines' errors too: uploads go on without the scan
-            log.error("checking the remote tier at start failed (%s); checkpoints not "
-                      "uploaded before the restart stay local", scrub(str(e), self.options))
-            return
-        for _, path in sorted(todo):  # oldest first in, so newest first out
-            log.info("uploading %s: durable locally but not on the remote tier", path)
-            self.enqueue(None, path)
+            while True:
+                try:
+                    todo = await self._retry(lambda: start_up(
+                        store, scope, started=self._started, remote_timeout=self.remote_timeout,
+                        keep=self.uncommit, scan=self.scan, key_of=self.key,
+                        queued=self._handled, keep_last=self.keep_last, created=self._created),
+                        "checking the remote tier at start")
+                    with self._mutex:
+                        self._taken = None
+                    break
+                except GaveUp as e:
+                    log.warning("%s; checkpoints not uploaded before this writer started wait "
+                                "for it, tried again in %g s", e, self.remote_timeout)
+                self._end_first_round()
+                await asyncio.sleep(self.remote_timeout)
+            for path in todo:  # oldest first in, so newest first out
+                log.info("uploading %s: durable locally but not on the remote tier", path)
+                self.enqueue(None, path)
+        except Exception:  # a bug: uploads go on without the round
+            log.exception("the remote tier's start-up round failed; checkpoints not uploaded "
+                          "before this writer started stay local")
+        finally:
+            self._end_first_round()
+
+    def _end_first_round(self) -> None:
+        with self._mutex:
+            self._starting = False
+        self._wake()
+
+    def _retry(self, attempt: Callable[[], Awaitable[T]], what: str) -> Awaitable[T]:
+        return retrying(attempt, what, timeout=self.remote_timeout, options=self.options,
+                        close_by=lambda: self._close_by)
 
     async def _upload(self, store: Store, job: UploadJob) -> str:
-        started = time.monotonic()
-        deadline = started + self.remote_timeout
-        attempt, last = 0, ""
-        while True:
-            with self._mutex:
-                if self._close_by is not None:
-                    deadline = min(deadline, max(self._close_by, time.monotonic()))
-            try:
-                await asyncio.wait_for(self._attempt(store, job), deadline - time.monotonic())
-                return store.key_url(job.key)
-            except (CorruptSource, FormatError, FileNotFoundError) as e:
-                raise _Failed(f"{job.path}: {e}") from None
-            except asyncio.TimeoutError:
-                raise _Failed(f"{store.key_url(job.key)}: not uploaded within remote_timeout="
-                              f"{self.remote_timeout:g} s ({attempt + 1} attempt(s){last}); "
-                              "check the endpoint and the network, or raise remote_timeout"
-                              ) from None
-            except Exception as e:  # the engine's errors: network, auth, server
-                why = scrub(f"{type(e).__name__}: {e}", self.options).splitlines()[0]
-                last = f", the last: {why}"
-                wait = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                if time.monotonic() + wait >= deadline:
-                    raise _Failed(f"{store.key_url(job.key)}: upload failed after "
-                                  f"{attempt + 1} attempt(s) in {time.monotonic() - started:.1f} s:"
-                                  f" {why}") from None
-                log.warning("uploading %s failed (%s); retrying in %g s", job.key, why, wait)
-                attempt += 1
-                await asyncio.sleep(wait)
-
-    async def _attempt(self, store: Store, job: UploadJob) -> None:
-        with self._files_lock:  # never between a write's renames
-            meta = read_meta(job.path)
-            with open(job.path + META_SUFFIX, "rb") as f:
-                meta_bytes = f.read()
-            files = [(job.key, open(job.path, "rb"), meta.size, meta.crc32)]
-            try:
-                folder = os.path.dirname(job.path)
-                for c in companions(job.path, meta):  # the optimizer file, the data file
-                    okey = f"{job.key.rpartition('/')[0]}/{c.name}".lstrip("/")
-                    files.append((okey, open(os.path.join(folder, c.name), "rb"), c.size,
-                                  c.crc32))
-            except BaseException:
-                for _, f, _, _ in files:
-                    f.close()
-                raise
-        with self._mutex:
+        url = store.key_url(job.key)
+        opened = _open(job, self._files_lock)
+        with self._mutex:  # from here on, the local rotation may take their names
             self._forget(job)
         try:
-            folder = job.key.rpartition("/")[0]
-            for name in self.uncommit:
-                await store.delete(f"{folder}/{name}".lstrip("/"))
-            await store.delete(job.key + META_SUFFIX)  # uncommit an older copy of this name
-            await asyncio.gather(*(store.put(k, f, size=s, crc32=c) for k, f, s, c in files))
-            await store.put(job.key + META_SUFFIX, io.BytesIO(meta_bytes))  # last: the commit
+            await self._retry(lambda: self._attempt(store, job, opened), f"uploading {url}")
+            return url
         finally:
-            for _, f, _, _ in files:
-                f.close()
+            opened.close()
 
-    async def _prune(self, store: Store, key: str) -> None:
-        folder, pattern = series_of(key)
-        prefix = f"{folder}/" if folder else ""
-        objects = await store.list(prefix)
-        names = {o.key for o in objects}
-        complete = sorted((k[: -len(META_SUFFIX)] for k in names
-                           if k.endswith(META_SUFFIX) and k[: -len(META_SUFFIX)] in names
-                           and series_of(k[: -len(META_SUFFIX)]) == (folder, pattern)),
-                          key=_number)
-        assert self.keep_last is not None and self.keep_last >= 1  # the newest always stays
-        for old in complete[: -self.keep_last]:
-            for key in checkpoint_names(old):  # metadata first: it vouches for the rest
-                await store.delete(key)  # the writer's names; absent is fine
-            log.info("remote rotation: removed %s", store.key_url(old))
+    async def _attempt(self, store: Store, job: UploadJob, opened: _Opened) -> None:
+        for _, f, _, _ in opened.files:
+            f.seek(0)
+        folder = job.key.rpartition("/")[0]
+        for name in self.uncommit:
+            await store.delete(f"{folder}/{name}".lstrip("/"))
+        await store.delete(job.key + META_SUFFIX)  # uncommit an older copy of this name
+        await asyncio.gather(*(store.put(k, f, size=s, crc32=c) for k, f, s, c in opened.files))
+        await store.put(job.key + META_SUFFIX, io.BytesIO(opened.meta))  # last: the commit
 
 
-class _Failed(Exception):
-    """An upload that failed for good; the message says why."""
+class GaveUp(Exception):
+    """Work that failed for good (:func:`retrying`); the message says why."""
 
 
-def _local_checkpoints(directory: str) -> list[str]:
-    """Every checkpoint under ``directory`` whose file and ``.meta`` both exist."""
-    out = []
-    for d, _, names in os.walk(directory):
-        present = set(names)
-        for n in names:
-            if n.endswith(META_SUFFIX) and not n.endswith(TMP_SUFFIX) \
-                    and n[: -len(META_SUFFIX)] in present:
-                out.append(os.path.join(d, n[: -len(META_SUFFIX)]))
-    return out
+async def retrying(attempt: Callable[[], Awaitable[T]], what: str, *, timeout: float,
+                   options: dict[str, Any], close_by: Callable[[], float | None]) -> T:
+    """``attempt()``, retried whole with backoff until ``timeout`` from now (sooner
+    once ``close_by()``, the writer's closing deadline, is set); :class:`GaveUp`
+    saying why it failed."""
+    started = time.monotonic()
+    deadline = started + timeout
+    tries, last = 0, ""
+    while True:
+        closing = close_by()
+        if closing is not None:
+            deadline = min(deadline, max(closing, time.monotonic()))
+        try:
+            return await asyncio.wait_for(attempt(), deadline - time.monotonic())
+        except CorruptSource as e:  # never retried: it will not change
+            raise GaveUp(f"{what}: {e}") from None
+        except (ValueError, TypeError) as e:  # a name or value the store refuses
+            raise GaveUp(f"{what}: {describe(e, options)}; not retried") from None
+        except asyncio.TimeoutError:
+            raise GaveUp(f"{what}: not done within remote_timeout={timeout:g} s "
+                          f"({tries + 1} attempt(s){last}); check the endpoint and the "
+                          "network, or raise remote_timeout") from None
+        except Exception as e:  # the engine's errors: network, auth, server, NotFound
+            why = describe(e, options)
+            last = f", the last: {why}"
+            wait = _RETRY_S[min(tries, len(_RETRY_S) - 1)]
+            if time.monotonic() + wait >= deadline:
+                raise GaveUp(f"{what}: failed after {tries + 1} attempt(s) in "
+                              f"{time.monotonic() - started:.1f} s: {why}") from None
+            log.warning("%s failed (%s); retrying in %g s", what, why, wait)
+            tries += 1
+            await asyncio.sleep(wait)
+
+
+def _open(job: UploadJob, files_lock: threading.Lock) -> _Opened:
+    """``job``'s files, opened under the writer's lock (never between a write's renames)."""
+    opened = _Opened(b"")
+    with files_lock:
+        try:
+            meta = read_meta(job.path)
+            with open(job.path + META_SUFFIX, "rb") as f:
+                opened.meta = f.read()
+            opened.files.append((job.key, open(job.path, "rb"), meta.size, meta.crc32))
+            folder = os.path.dirname(job.path)
+            for c in companions(job.path, meta):  # the optimizer file, the data file
+                okey = f"{job.key.rpartition('/')[0]}/{c.name}".lstrip("/")
+                opened.files.append((okey, open(os.path.join(folder, c.name), "rb"),
+                                     c.size, c.crc32))
+        except (OSError, ValueError) as e:  # gone, or unreadable metadata: final
+            opened.close()
+            raise GaveUp(f"{job.path}: {e}") from None
+    return opened

@@ -300,9 +300,11 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     if options.get("remote") is not None:
         remote = {k: options[k] for k in ("remote", "directory", "remote_keep_last",
                                           "remote_timeout", "remote_options")}
-        # a rank of DistributedSnapshotWriter: no scan at start, its step's manifest uncommitted
+        # a rank of DistributedSnapshotWriter: no scan at start, its step's manifest
+        # uncommitted, only its own files removed at start
         remote["remote_scan"] = options.get("remote_scan", True)
         remote["remote_uncommit"] = options.get("remote_uncommit", ())
+        remote["remote_names"] = options.get("remote_names")  # its own files only
 
     def files() -> Any:
         writes = importlib.import_module(".writes", __package__)

@@ -77,7 +77,7 @@ class Files:
                 remote["remote"], remote["directory"], remote_timeout=self.remote_timeout,
                 options=remote["remote_options"], keep_last=remote["remote_keep_last"],
                 on_done=self._uploaded, files_lock=self.lock, scan=remote["remote_scan"],
-                uncommit=remote["remote_uncommit"])
+                uncommit=remote["remote_uncommit"], names=remote["remote_names"])
 
     def _uploaded(self, job: UploadJob, url: str | None, error: str | None,
                   skipped: bool) -> None:
