@@ -4,7 +4,8 @@
 each run in ``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND
 ``stock``) or ``SnapsvcTrainer`` (``snapsvc``), trains to 8 steps and saves
 the final weights to RESULT (safetensors). ``torchrun --nproc_per_node 2
-tests/hf_script.py --dist OUT RESULT``: see :func:`dist_main`.
+tests/hf_script.py --dist OUT RESULT``: see :func:`dist_main`. ``python
+tests/hf_script.py --raise-at STEP OUT HOLD``: see :func:`raise_main`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,33 @@ class StopAt(TrainerCallback):
         return control
 
 
+class RaiseAt(TrainerCallback):
+    """Raise ``error`` at the end of step ``step``: a training run that fails (a
+    callback's error, Ctrl-C) after the checkpoints of the earlier steps were saved."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error = step, error
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == self.step:
+            raise self.error
+
+
+class CustomBert(BertForSequenceClassification):
+    """A remote-code model: registered for an auto class, so ``save_pretrained`` copies
+    the file that defines it (this one) beside its config."""
+
+
+CustomBert.register_for_auto_class("AutoModelForSequenceClassification")
+
+
+def make_custom_model() -> CustomBert:
+    """:func:`make_model`'s model as a remote-code one."""
+    config = make_model().config
+    torch.manual_seed(0)
+    return CustomBert(config)
+
+
 KINDS = ["stock", "snapsvc"]   # the stock Trainer (the control) and SnapsvcTrainer
 
 
@@ -68,9 +96,13 @@ def close(trainer: Any) -> None:
 
 def make_trainer(kind: str, out: str, *, callbacks: list[Any] | None = None,
                  snapsvc_options: dict[str, Any] | None = None, eval_dataset: Any = None,
+                 model: Any = None, train_dataset: Any = None, processing_class: Any = None,
                  **overrides: Any) -> Trainer:
-    common = dict(model=make_model(), args=make_args(out, **overrides),
-                  train_dataset=make_dataset(), eval_dataset=eval_dataset, callbacks=callbacks)
+    common = dict(model=make_model() if model is None else model,
+                  args=make_args(out, **overrides),
+                  train_dataset=make_dataset() if train_dataset is None else train_dataset,
+                  eval_dataset=eval_dataset, callbacks=callbacks,
+                  processing_class=processing_class)
     if kind == "stock":
         return Trainer(**common)
     from snapsvc.transformers import SnapsvcTrainer
@@ -108,11 +140,25 @@ def dist_main(out: str, result: str) -> None:
         save_file(weights(resumed.model), result)
 
 
+def raise_main(step: str, out: str, hold: str) -> None:
+    """SnapsvcTrainer saving at steps 3 and 6 (each write held 1 s while the file
+    ``hold`` exists), then a RuntimeError at step ``step`` that ends the interpreter."""
+    import functools
+
+    import hf_script   # the sidecar unpickles the hook by its module's name, not __main__
+    trainer = make_trainer("snapsvc", out, callbacks=[RaiseAt(int(step), RuntimeError(
+        f"raised at step {step}"))], snapsvc_options={
+            "fault_hook": functools.partial(hf_script.sleep_while, hold, 1.0)})
+    trainer.train()
+
+
 def main() -> None:
     from safetensors.torch import save_file
     args = sys.argv[1:]
     if args[0] == "--dist":
         return dist_main(*args[1:])
+    if args[0] == "--raise-at":
+        return raise_main(*args[1:])
     for kind, out, result in zip(args[::3], args[1::3], args[2::3]):
         trainer = make_trainer(kind, out)
         trainer.train(resume_from_checkpoint=True)

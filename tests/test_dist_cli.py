@@ -8,12 +8,14 @@ plain one. Then, in this process:
 - 13: a corrupt ``rank0.fdl.meta`` fails ``restore_distributed`` before anything changes;
 - 14: a missing checkpoint, step directory or destination directory is named as such;
 - 15: ``snapsvc verify STEP_DIR`` checks the manifest and every rank's files;
-  ``snapsvc verify step_N/*`` passes; ``snapsvc bench`` fails when every cell failed.
+  ``snapsvc verify step_N/*`` passes; ``snapsvc bench`` fails when every cell failed;
+- Hardening 3, 20: ``snapsvc ls`` lists each complete step as one checkpoint.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -236,6 +238,32 @@ def test_verify_a_step_directory_without_its_manifest_fails(world1, tmp_path, ca
     os.remove(ckpt / "step_2" / "manifest.msgpack")
     assert main(["verify", str(ckpt / "step_2")]) == 1
     assert "manifest" in capsys.readouterr().out
+
+
+# -- Hardening 3, 20 --------------------------------------------------------------------
+def test_ls_lists_each_complete_step_as_one_checkpoint(world1, tmp_path, capsys):
+    """A DistributedSnapshotWriter directory, and a copy as its remote tier: each step is
+    one checkpoint with its step, the bytes of all its files, metrics and tiers; step 2,
+    its manifest removed locally, is incomplete there and listed on the remote only, as a
+    file without its .meta is not listed. Before, each rank<r>.fdl was listed on its own,
+    with its rank as its step, incomplete steps too."""
+    ckpt = _copy(world1, tmp_path)
+    remote = tmp_path / "remote"
+    shutil.copytree(ckpt, remote)
+    os.remove(ckpt / "step_2" / "manifest.msgpack")
+    capsys.readouterr()
+    assert main(["ls", str(ckpt), "--remote", str(remote), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["name"], c["step"], c["tiers"]) for c in listed] == [
+        ("step_2", 2, ["remote"]), ("step_1", 1, ["local", "remote"])]
+    assert listed[1]["bytes"] == sum(p.stat().st_size for p in (ckpt / "step_1").iterdir())
+    assert listed[1]["metrics"] == {} and listed[1]["created"] > 0
+    assert main(["ls", str(ckpt)]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert len(rows) == 1 and rows[0].split()[:2] == ["step_1", "1"], rows
+    assert main(["ls", str(ckpt / "step_1"), "--json"]) == 0   # the step directory itself
+    assert [(c["name"], c["step"]) for c in json.loads(capsys.readouterr().out)[
+        "checkpoints"]] == [(".", 1)]
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ and one to restore (tests/dist_world.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import shutil
@@ -21,6 +22,7 @@ from torch import nn
 
 import snapsvc
 from dist_world import run_world
+from snapsvc.cli import main
 from snapsvc.distributed import MANIFEST_NAME
 from snapsvc.remote.upload import Uploader
 
@@ -296,7 +298,7 @@ def scenario_restore(rank: int, world: int, tmp: str, url: str) -> dict:
 
 
 @pytest.mark.timeout(420)
-def test_world2_uploaded_on_both_ranks_then_restored_from_the_remote_tier(s3, tmp_path):
+def test_world2_uploaded_on_both_ranks_then_restored_from_the_remote_tier(s3, tmp_path, capsys):
     codes, results = run_world(tmp_path, 2, scenario_save, run_s=180, remote=s3.url)
     assert codes == [0, 0], results
     url = f"{s3.url}/step_7"
@@ -305,6 +307,17 @@ def test_world2_uploaded_on_both_ranks_then_restored_from_the_remote_tier(s3, tm
         f"step_7/rank{r}{ext}" for r in (0, 1) for ext in (".fdl", ".fdl.meta", ".optim.fdl"))
     d = tmp_path / "ckpt"
     assert snapsvc.latest_checkpoint(d, remote=s3.url) == str(d / "step_7")
+    # snapsvc ls: the step is one checkpoint on both tiers, not each rank's file with its
+    # rank as its step (Hardening 3, 20)
+    capsys.readouterr()
+    assert main(["ls", str(d), "--remote", s3.url, "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert listed["name"] == "step_7" and listed["step"] == 7
+    assert listed["tiers"] == ["local", "remote"] and listed["metrics"] == {"loss": 0.5}
+    assert listed["bytes"] == sum(p.stat().st_size for p in (d / "step_7").iterdir())
+    assert main(["ls", s3.url]) == 0
+    assert [r.split()[:2] for r in capsys.readouterr().out.splitlines()[1:]] == [
+        ["step_7", "7"]]
     shutil.rmtree(d)
     assert snapsvc.latest_checkpoint(d, remote=s3.url) == url
     for r in (0, 1):

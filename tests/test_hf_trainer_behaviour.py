@@ -1,12 +1,15 @@
-"""SnapsvcTrainer where the stock Trainer's own behaviour is the reference (issue 21, 4 and 9).
+"""SnapsvcTrainer where the stock Trainer's own behaviour is the reference (issue 21, 4 and 9;
+Hardening 3, 17 and 18).
 
 Each test runs the stock ``transformers.Trainer`` as the control, in the same test.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -16,12 +19,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import snapsvc  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_script import KINDS, close as _close, make_trainer, weights  # noqa: E402
+import hf_script  # noqa: E402
+from hf_script import KINDS, RaiseAt, close as _close, make_dataset, make_trainer, \
+    weights  # noqa: E402
 
 from snapsvc.transformers import STATE_FILE  # noqa: E402
 
@@ -128,7 +134,6 @@ def dist_second_train(out: str, result: str) -> None:
 def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
     """The second train() re-saves checkpoint-6 as the stock Trainer does, instead of
     failing on every rank with "step 6 after step 6: steps must increase"."""
-    import subprocess
     from safetensors.torch import load_file
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -177,3 +182,120 @@ def test_a_stock_trainer_given_a_snapsvc_checkpoint_names_the_fix(tmp_path, no_l
     snap.train(resume_from_checkpoint=runs["snapsvc"])   # what the message says works
     assert snap.state.global_step == 4
     _close(snap)
+
+
+def _held(kind: str, flag: str) -> dict | None:
+    """snapsvc_options that hold each state-file write 1 s while ``flag`` exists."""
+    return None if kind == "stock" else {
+        "fault_hook": functools.partial(hf_script.sleep_while, flag, 1.0)}
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_train_leaves_its_checkpoints_committed_as_stock_does(tmp_path, no_leaks):
+    """Hardening 3, 17: saves at steps 3 and 6 (each write held 1 s), then an exception at
+    step 7. Right after train() raises, as with the stock Trainer: user code finds
+    checkpoint-6 (get_last_checkpoint), evaluate() runs, save_model() writes, and
+    train(resume_from_checkpoint=True) in the same trainer resumes from step 6. Before, the
+    writes were still pending: "No valid checkpoint found", or a resume from step 3. The
+    same after Ctrl-C, and when the exception ends the interpreter (in a new process)."""
+    flag = str(tmp_path / "hold")
+    open(flag, "w").close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    exits = str(tmp_path / "exits")
+    proc = subprocess.Popen(   # runs beside the trainers below
+        [sys.executable, os.path.join(HERE, "hf_script.py"), "--raise-at", "7", exits, flag],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = {}
+        for kind, error in (("stock", RuntimeError("a callback failed")),
+                            ("snapsvc", RuntimeError("a callback failed")),
+                            ("snapsvc", KeyboardInterrupt())):
+            out = str(tmp_path / f"{kind}-{type(error).__name__}")
+            raiser = RaiseAt(7, error)
+            t = make_trainer(kind, out, callbacks=[raiser], eval_dataset=make_dataset(8, seed=2),
+                             snapsvc_options=_held(kind, flag))
+            with pytest.raises(type(error)):
+                t.train()
+            last = get_last_checkpoint(out)
+            assert last == os.path.join(out, "checkpoint-6"), (kind, error, last)
+            if isinstance(error, KeyboardInterrupt):   # the rest as after the error
+                _close(t)
+                continue
+            loss = t.evaluate()["eval_loss"]
+            t.save_model(os.path.join(out, "saved"))
+            t.remove_callback(raiser)
+            t.train(resume_from_checkpoint=True)
+            _close(t)
+            seen[kind] = (loss, sorted(os.listdir(os.path.join(out, "saved"))),
+                          t.state.global_step, weights(t.model))
+        _, stderr = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert seen["snapsvc"][:3] == seen["stock"][:3]
+    assert seen["stock"][2] == 8 and "model.safetensors" in seen["stock"][1]
+    for name, tensor in seen["stock"][3].items():
+        assert torch.equal(seen["snapsvc"][3][name], tensor), name
+    assert proc.returncode != 0 and "raised at step 7" in stderr, stderr[-3000:]
+    assert sorted(os.listdir(exits)) == ["checkpoint-3", "checkpoint-6"], stderr[-3000:]
+    with open(os.path.join(exits, "checkpoint-6", "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == 6
+    assert snapsvc.verify(os.path.join(exits, "checkpoint-6", STATE_FILE)).ok
+
+
+def _generative(tmp_path) -> dict:
+    """A tiny GPT-2 (it has a generation config) with a tokenizer, and its data."""
+    from transformers import BertTokenizer, GPT2Config, GPT2LMHeadModel
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                *(f"w{i}" for i in range(95))]) + "\n")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=16, bos_token_id=2, eos_token_id=3))
+    data = [{**d, "labels": d["input_ids"]} for d in make_dataset()]
+    return {"model": model, "train_dataset": data,
+            "processing_class": BertTokenizer(vocab_file=str(vocab))}
+
+
+# What the stock Trainer writes into checkpoint-<N> that SnapsvcTrainer does not: the
+# weights, optimizer, scheduler and RNG states (in its state file instead: the sidecar
+# writes them and never pickles), and training_args.bin, a pickle of the TrainingArguments
+# that no resume reads.
+STOCK_ONLY = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+              "training_args.bin"}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["generative+tokenizer", "remote-code"])
+def test_a_checkpoint_holds_the_files_the_stock_trainer_writes(tmp_path, no_leaks, case):
+    """Hardening 3, 18: every other file the stock Trainer writes into checkpoint-<N> is
+    written alike (JSON files equal as JSON, the rest byte for byte): config.json with
+    "architectures" and "dtype" (set by save_pretrained), generation_config.json, the
+    tokenizer's files, a remote-code model's source. Before: config.json without them,
+    and none of the others."""
+    dirs = {}
+    for kind in KINDS:
+        model = (_generative(tmp_path) if case == "generative+tokenizer"
+                 else {"model": hf_script.make_custom_model()})
+        t = make_trainer(kind, str(tmp_path / kind), max_steps=3, **model)
+        t.train()
+        _close(t)
+        dirs[kind] = tmp_path / kind / "checkpoint-3"
+    stock, ours = (set(os.listdir(d)) for d in dirs.values())
+    assert stock - ours == STOCK_ONLY
+    assert ours - stock == {STATE_FILE, STATE_FILE + ".data", STATE_FILE + ".meta"}
+    for name in stock & ours:
+        a, b = ((d / name).read_bytes() for d in dirs.values())
+        if name.endswith(".json"):
+            a, b = json.loads(a), json.loads(b)
+        assert a == b, name
+    config = json.loads((dirs["snapsvc"] / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    if case == "generative+tokenizer":
+        assert config["architectures"] == ["GPT2LMHeadModel"]
+        assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= ours
+    else:
+        assert config["architectures"] == ["CustomBert"] and "hf_script.py" in ours
+        assert config["auto_map"] == {
+            "AutoModelForSequenceClassification": "hf_script.CustomBert"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -217,7 +218,7 @@ def test_a_save_that_waits_for_the_sidecar_says_why(tmp_path, no_leaks, caplog):
 
 
 @pytest.mark.timeout(300)
-def test_distributed_world_size_2_on_gloo(tmp_path):
+def test_distributed_world_size_2_on_gloo(tmp_path, capsys):
     """torchrun, 2 CPU processes: each rank writes its file through its own sidecar, the
     directory appears once the manifest commits both; a mid-epoch resume is bit-exact."""
     from safetensors.torch import load_file
@@ -239,6 +240,13 @@ def test_distributed_world_size_2_on_gloo(tmp_path):
         os.listdir(out / "checkpoint-3"))
     assert not os.listdir(out / (STAGING_PREFIX + "ranks"))   # no step left uncommitted
     assert "rng" in snapsvc.load(str(out / "checkpoint-3" / "rank1.fdl"))
+    # snapsvc ls: each checkpoint-<N> once, with its step (Hardening 3, 20)
+    from snapsvc.cli import main
+    capsys.readouterr()
+    assert main(["ls", str(out), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    steps = sorted((int(n.split("-")[1]) for n in _checkpoints(str(out))), reverse=True)
+    assert [(c["name"], c["step"]) for c in listed] == [(f"checkpoint-{n}", n) for n in steps]
 
 
 @pytest.mark.timeout(60)

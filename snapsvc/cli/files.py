@@ -324,14 +324,17 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
 @register("ls", help="list checkpoints with step, size, metrics and the tiers holding them",
           description="List the complete checkpoints (those with a .meta) under a directory "
           "or a remote URL, newest step first: name, step, bytes, metrics and which tiers "
-          "hold them (local, remote). Incomplete ones (no .meta) are not listed.",
-          arguments=_ls_arguments)
+          "hold them (local, remote). A multi-rank checkpoint (a step_<N> directory, or "
+          "any directory with a manifest.msgpack) is one entry: its directory, with the "
+          "manifest's step and metrics and the bytes of all its files. Incomplete ones (no "
+          ".meta, or no manifest) are not listed.", arguments=_ls_arguments)
 def _ls(args: argparse.Namespace) -> int:
+    from ..distributed.tier import listed_steps  # torch.distributed when needed
     tiers = [("remote" if is_url(args.location) else "local", args.location)]
     if args.remote:
         tiers.append(("remote", args.remote))
     with ProgressBar(unit="files") as bar:
-        rows = list_checkpoints(tiers, progress=bar)
+        rows = list_checkpoints(tiers, steps=listed_steps, progress=bar)
     if args.json:
         print(json.dumps(_strict_json({"location": args.location, "remote": args.remote,
                                        "checkpoints": [r.__dict__ for r in rows]}),

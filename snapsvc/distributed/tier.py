@@ -22,12 +22,14 @@ import contextlib
 import errno
 import logging
 import os
+import re
 from collections import defaultdict
 from typing import Any, Iterator
 
 from ..errors import FormatError
 from ..files.meta import META_SUFFIX, Meta, parse_meta, read_meta
 from ..remote.fetch import TIMEOUT, fetched, run_sync
+from ..remote.listing import Listed
 from ..remote.store import Store, StoredObject, is_url, open_store, split_url
 from ..remote.url import as_oserror
 from .manifest import MANIFEST_NAME, Manifest, _latest_local, _missing, parse_manifest, \
@@ -35,11 +37,12 @@ from .manifest import MANIFEST_NAME, Manifest, _latest_local, _missing, parse_ma
 from .pieces import _Global, _Piece, _PieceReader, _sizes
 
 __all__ = ["latest_checkpoint", "open_step", "LocalStep", "RemoteStep", "RemotePieces",
-           "remote_complete_steps"]
+           "remote_complete_steps", "listed_steps"]
 
 log = logging.getLogger("snapsvc")
 
 _READS_IN_FLIGHT = 8
+_RANK_FILE = re.compile(r"rank\d+\.")   # rank<r>.fdl, its .meta, rank<r>.optim.fdl ...
 
 
 def latest_checkpoint(directory: str | os.PathLike[str],
@@ -68,6 +71,57 @@ def latest_checkpoint(directory: str | os.PathLike[str],
     return None if local is None else local[1]
 
 
+async def listed_steps(store: Store, objects: dict[str, int]
+                       ) -> tuple[list[Listed], tuple[str, ...]]:
+    """For ``snapsvc ls`` (a :data:`~snapsvc.remote.listing.StepScanner`): the complete
+    multi-rank checkpoints among ``objects`` (sizes by key), each one entry named by its
+    directory, with the manifest's step, metrics and time and the bytes of every file in
+    it; and the directories of all, "/"-ended. A multi-rank checkpoint is a directory
+    holding a manifest (``step_<N>``, or SnapsvcTrainer's ``checkpoint-<N>``), or a
+    ``step_<N>`` one holding rank files and no manifest: incomplete, so not listed, as a
+    file without its ``.meta`` is not. Complete is what :func:`latest_checkpoint` takes."""
+    dirs: dict[str, dict[str, int]] = defaultdict(dict)
+    for key, size in objects.items():
+        head, _, name = key.rpartition("/")
+        dirs[head][name] = size
+    theirs = [d for d, files in dirs.items() if MANIFEST_NAME in files or (
+        step_number(d.rpartition("/")[2]) is not None and any(map(_RANK_FILE.match, files)))]
+    done = [d for d in theirs if MANIFEST_NAME in dirs[d]]
+    manifests = await asyncio.gather(*(store.get(f"{d}/{MANIFEST_NAME}".lstrip("/"))
+                                       for d in done))
+    out = []
+    for d, data in zip(done, manifests):
+        m = _complete(data, store.key_url(d) if d else store.url, dirs[d],
+                      step_number(d.rpartition("/")[2]))
+        if m is not None:
+            out.append(Listed(d or ".", m.step, sum(dirs[d].values()),
+                              dict(m.metrics) if isinstance(m.metrics, dict) else {},
+                              m.created if isinstance(m.created, (int, float)) else None))
+    return out, tuple(f"{d}/" if d else "" for d in theirs)
+
+
+def _complete(data: bytes | None, url: str, files: dict[str, int], step: int | None
+              ) -> Manifest | None:
+    """The manifest ``data`` of the step at ``url``, whose directory holds ``files``
+    (sizes by name), when the step is complete: it decodes, names ``step`` (unless None)
+    and every file it lists is there at its size. Else None, with a warning."""
+    if data is None:  # deleted since the listing
+        return None
+    try:
+        m = parse_manifest(data, f"{url}/{MANIFEST_NAME}", url)
+    except FormatError as e:
+        log.warning("%s: unreadable manifest; skipped: %s", url, e.reason)
+        return None
+    if step is not None and m.step != step:
+        log.warning("%s: manifest says step %d; skipped", url, m.step)
+        return None
+    problems = _missing(m, files.get, url)
+    if problems:
+        log.warning("%s has a manifest but is damaged; skipped: %s", url, "; ".join(problems))
+        return None
+    return m
+
+
 async def remote_complete_steps(store: Store, *, objects: list[StoredObject] | None = None,
                                 above: int | None = None, enough: int | None = None
                                 ) -> list[tuple[int, Manifest]]:
@@ -87,24 +141,10 @@ async def remote_complete_steps(store: Store, *, objects: list[StoredObject] | N
         files = steps[n]
         if MANIFEST_NAME not in files:
             continue
-        url = store.key_url(f"step_{n}")
         data = await store.get(f"step_{n}/{MANIFEST_NAME}")
-        if data is None:  # deleted since the listing
-            continue
-        try:
-            m = parse_manifest(data, f"{url}/{MANIFEST_NAME}", url)
-        except FormatError as e:
-            log.warning("%s: unreadable manifest; skipped: %s", url, e.reason)
-            continue
-        if m.step != n:
-            log.warning("%s: manifest says step %d; skipped", url, m.step)
-            continue
-        problems = _missing(m, files.get, url)
-        if problems:
-            log.warning("%s has a manifest but is damaged; skipped: %s", url,
-                        "; ".join(problems))
-            continue
-        out.append((n, m))
+        m = _complete(data, store.key_url(f"step_{n}"), files, n)
+        if m is not None:
+            out.append((n, m))
     return out
 
 

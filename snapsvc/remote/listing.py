@@ -3,7 +3,11 @@
 A checkpoint is listed when its ``.meta`` exists beside its file (the commit
 marker on both tiers); its step is ``extra["step"]`` when the submit gave one,
 else the last number in its name. The tiers are merged by name and CRC-32: a
-name whose copies differ is listed once per tier.
+name whose copies differ is listed once per tier. Multi-rank checkpoints (a
+directory of every rank's files and a manifest) are found by the caller's
+``steps`` scanner (:func:`snapsvc.distributed.tier.listed_steps`; this layer
+cannot read a manifest): each is one entry, and the files in their
+directories are not checkpoints of their own.
 """
 
 from __future__ import annotations
@@ -12,14 +16,14 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, Meta, companions, parse_meta
 from .fetch import Progress, run_sync
 from .store import Store, open_store
 
-__all__ = ["Listed", "list_checkpoints"]
+__all__ = ["Listed", "StepScanner", "list_checkpoints"]
 
 log = logging.getLogger("snapsvc")
 
@@ -54,10 +58,18 @@ def _listed(name: str, meta: Meta, meta_bytes: int) -> Listed:
                   crc32=f"{meta.crc32:08x}" if isinstance(meta.crc32, int) else None)
 
 
-async def _scan(store: Store, progress: Progress | None) -> list[Listed]:
+# (store, its objects' sizes by key) -> (the complete multi-rank checkpoints, and the
+# directories, "/"-ended, of every multi-rank checkpoint, complete or not)
+StepScanner = Callable[[Store, dict[str, int]], Awaitable[tuple[list[Listed], tuple[str, ...]]]]
+
+
+async def _scan(store: Store, steps: StepScanner | None, progress: Progress | None
+                ) -> list[Listed]:
     objects = {o.key: o.size for o in await store.list(progress=progress)}
+    out, theirs = await steps(store, objects) if steps is not None else ([], ())
     names = [k[: -len(META_SUFFIX)] for k in objects
-             if k.endswith(META_SUFFIX) and k[: -len(META_SUFFIX)] in objects]
+             if k.endswith(META_SUFFIX) and k[: -len(META_SUFFIX)] in objects
+             and not k.startswith(theirs)]
     gate = asyncio.Semaphore(_READS_IN_FLIGHT)
     done = 0
 
@@ -71,7 +83,6 @@ async def _scan(store: Store, progress: Progress | None) -> list[Listed]:
         return data
 
     metas = await asyncio.gather(*(get(n) for n in names))
-    out = []
     for name, data in zip(names, metas):
         if data is None:  # deleted meanwhile
             continue
@@ -84,15 +95,16 @@ async def _scan(store: Store, progress: Progress | None) -> list[Listed]:
     return out
 
 
-def list_checkpoints(tiers: list[tuple[str, str]], *,
+def list_checkpoints(tiers: list[tuple[str, str]], steps: StepScanner | None = None, *,
                      progress: Progress | None = None) -> list[Listed]:
     """The complete checkpoints of each ``(tier name, URL or directory)``, newest
     step first; one entry for a name the tiers hold alike (the same size and
     CRC-32 of its file), one per tier where they differ (a local ``best.fdl``
-    rewritten since its upload). ``progress(phase, done, total)`` as it lists."""
+    rewritten since its upload). ``steps`` finds the multi-rank ones;
+    ``progress(phase, done, total)`` as it lists."""
     merged: dict[tuple[str, int, str | None], Listed] = {}
     for tier, location in tiers:
-        for item in run_sync(_scan(open_store(location), progress)):
+        for item in run_sync(_scan(open_store(location), steps, progress)):
             known = merged.setdefault((item.name, item.bytes, item.crc32), item)
             known.tiers.append(tier)
     return sorted(merged.values(), key=lambda r: (r.step is not None, r.step or 0,

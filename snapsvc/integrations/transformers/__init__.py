@@ -11,12 +11,17 @@ Layout. A committed ``checkpoint-<step>/`` holds::
     snapsvc_state.fdl.data   the torch RNG states (uint8), in its framing (docs/state.md)
     snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
     trainer_state.json       HF's own file, which train() and HF tools read
-    config.json              the model's config, when it has one
+    config.json ...          the rest of what the stock Trainer writes beside the
+                             weights, by HF's own writers: the model's config (with
+                             its architectures and dtype), generation_config.json,
+                             the tokenizer's or processor's files, a remote-code
+                             model's source
 
-One state file plus HF's JSON files, not HF's layout, because the sidecar
+One state file plus HF's own files, not HF's layout, because the sidecar
 writes ``.fdl`` files and never pickles: ``optimizer.pt``, ``scheduler.pt``
 and ``rng_state.pth`` are pickles, so HF's layout would mean writing them in
-the training process, which is the stall this class removes. The cost: a
+the training process, which is the stall this class removes (``training_args.bin``,
+a pickle of the TrainingArguments that no resume reads, is not written). The cost: a
 stock ``Trainer`` cannot resume from these directories (``SnapsvcTrainer``
 resumes from both kinds; once this module is imported, the stock one's error
 says so instead of only "Can't find a valid checkpoint"), and ``from_pretrained`` needs the weights exported
@@ -28,7 +33,7 @@ Completeness. transformers 5.24 has no incomplete-checkpoint marker:
 ``rotate_checkpoints`` globs ``checkpoint-*``. So a checkpoint is written into
 a hidden ``.snapsvc-checkpoint-<N>`` directory, which neither matches, and a
 committer thread renames it to ``checkpoint-<N>`` only after the sidecar
-reported the state file and its metadata durable and the JSON files and the
+reported the state file and its metadata durable and HF's files and the
 directory were fsynced; then it fsyncs the run directory. A directory still
 being written, or left by a crash, is never under a name HF (or
 ``resume_from_checkpoint=True``) picks; leftovers are removed at the next
@@ -65,7 +70,11 @@ directory and raises at the next save, or when training ends, as
 :class:`WriteFailedError`, :class:`BrokenWriterError` or (several
 processes) :class:`DistributedCheckpointError`, naming the checkpoint.
 ``save_model``, the end of training and :meth:`close` wait for pending
-commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds).
+commits (at most :attr:`SnapsvcTrainer.drain_timeout` seconds), and so does a
+``train()`` that raises (an error, a callback's, Ctrl-C: a second Ctrl-C
+abandons them) before its exception goes on: as with the stock Trainer, every
+checkpoint saved before the failure is on disk for ``get_last_checkpoint`` or
+``train(resume_from_checkpoint=True)`` right after.
 
 Several processes (torchrun, DDP). Each rank submits its part through its
 own sidecar with :class:`snapsvc.DistributedSnapshotWriter`: rank 0 (HF's

@@ -4,7 +4,7 @@ The trainer writes HF's small files into a hidden ``.snapsvc-checkpoint-<N>``
 directory and submits the state to the sidecar; the committer thread then::
 
     wait for the sidecar's write (its handle)
-    fsync the small files and the hidden directory
+    fsync every file in the hidden directory, and the directory
     rename it to checkpoint-<N> (a step saved again replaces its directory)
     fsync the run directory; rotate as save_total_limit says
 
@@ -42,7 +42,6 @@ class Commit:
     staging: str                        # "" on ranks that only wait for the manifest
     final: str
     run_dir: str
-    files: list[str]                    # small files written by the trainer, to fsync
     rotate: bool
     save_total_limit: int | None
     best_model_checkpoint: str | None
@@ -88,6 +87,11 @@ class Committer:
         """The hidden directories that pending commits own."""
         with self._cond:
             return {c.staging for c in self._pending.values()}
+
+    def count(self) -> int:
+        """How many submitted checkpoints are not committed or failed yet."""
+        with self._cond:
+            return len(self._pending)
 
     def drain(self, timeout: float) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
@@ -155,9 +159,7 @@ def _commit(item: Commit) -> None:
         log.warning("snapsvc: %s skipped by the writer's policy; not committed", item.final)
         shutil.rmtree(item.staging, ignore_errors=True)
         return
-    for name in item.files:
-        _fsync_file(os.path.join(item.staging, name))
-    fsync_dir(item.staging)
+    _fsync_tree(item.staging)
     old = None
     if os.path.isdir(item.final):  # a step saved again replaces its directory
         old = os.path.join(item.run_dir, STAGING_PREFIX + "old-" + os.path.basename(item.final))
@@ -174,12 +176,20 @@ def _commit(item: Commit) -> None:
                            best_model_checkpoint=item.best_model_checkpoint, use_mtime=True)
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_tree(directory: str) -> None:
+    """fsync every file under ``directory`` and each directory. HF's writers
+    (config, generation config, tokenizer, remote code) do not all say what they
+    wrote; the sidecar's files are durable already, and fsync of a clean file is cheap."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(root)
 
 
 def _named(err: BaseException, checkpoint: str) -> SnapsvcError:

@@ -14,7 +14,8 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
@@ -163,7 +164,6 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
             # As the stock Trainer: the main process saves model, optimizer, scheduler,
             # scaler and trainer state; every rank its RNG states.
             state = self._snapsvc_state(self.args.should_save, rng_state(distributed))
-        files: list[str] = []
         handle: WriteHandle | None = None
         try:
             if isinstance(writer, DistributedSnapshotWriter):
@@ -176,7 +176,7 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
                 os.makedirs(staging)
                 handle = writer.submit(state, os.path.join(staging, STATE_FILE))
             if self.args.should_save:
-                files = self._snapsvc_write_json(staging)
+                self._snapsvc_write_hf_files(staging)
             else:
                 staging = ""   # another rank commits it; this one waits for the manifest
         except BaseException:
@@ -185,7 +185,7 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
                     writer.wait_path(handle.path, timeout=self.drain_timeout)
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        item = Commit(handle, staging, final, run_dir, files, self.args.should_save,
+        item = Commit(handle, staging, final, run_dir, self.args.should_save,
                        self.args.save_total_limit, self.state.best_model_checkpoint)
         self._snapsvc_committer.add(item)
         if self._snapsvc_on_save_reads():
@@ -227,15 +227,29 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         return any(type(cb).on_save is not TrainerCallback.on_save
                    for cb in self.callback_handler.callbacks)
 
-    def _snapsvc_write_json(self, directory: str) -> list[str]:
+    def _snapsvc_write_hf_files(self, directory: str) -> None:
         """HF's own files, by HF's own writers, into the hidden directory (the committer
-        fsyncs them); their names."""
+        fsyncs them): trainer_state.json, and what the stock Trainer's ``save_model``
+        writes beside the weights: the model's config (with ``architectures`` and
+        ``dtype``, as ``save_pretrained`` sets them), its generation config, the code of a
+        remote-code model, and the tokenizer or processor."""
         self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
-        config = getattr(self.model, "config", None)
-        if not hasattr(config, "to_json_file"):
-            return [TRAINER_STATE_NAME]
-        config.to_json_file(os.path.join(directory, _CONFIG_FILE), use_diff=True)
-        return [TRAINER_STATE_NAME, _CONFIG_FILE]
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(model, PreTrainedModel):
+            model.config.dtype = str(model.dtype).removeprefix("torch.")
+            model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+            if model.is_remote_code():
+                custom_object_save(model, directory, config=model.config)
+            model.config.save_pretrained(directory)
+            if model.can_generate():
+                model.generation_config.save_pretrained(directory)
+        elif hasattr(getattr(model, "config", None), "to_json_file"):
+            model.config.to_json_file(os.path.join(directory, _CONFIG_FILE), use_diff=True)
+        processor = self.processing_class   # else the collator's tokenizer, as stock
+        if processor is None:
+            processor = getattr(self.data_collator, "tokenizer", None)
+        if processor is not None:
+            processor.save_pretrained(directory)
 
     def _snapsvc_note_best(self, run_dir: str, final: str) -> None:
         """Set ``state.best_model_checkpoint`` as the stock Trainer does, counting
@@ -279,6 +293,31 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
 
     def _snapsvc_raise_failed(self) -> None:
         self._snapsvc_committer.raise_failed()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """As the Trainer's. When it raises (an error, a callback's, Ctrl-C), the
+        checkpoints already submitted are committed before the exception goes on, as
+        the stock Trainer's are on disk by then: a resume, ``get_last_checkpoint`` or
+        ``evaluate`` right after finds them."""
+        try:
+            return super().train(*args, **kwargs)
+        except BaseException as e:
+            self._snapsvc_settle(e)
+            raise
+
+    def _snapsvc_settle(self, cause: BaseException) -> None:
+        """Commit what was submitted before ``cause`` stopped training. A write that
+        failed stays to be raised at the next save or close; ``cause`` goes on."""
+        n = self._snapsvc_committer.count()
+        if not n:
+            return
+        log.warning("snapsvc: training stopped (%s); committing the %d checkpoint(s) already "
+                    "submitted first (Ctrl-C abandons them)", type(cause).__name__, n)
+        try:
+            self._snapsvc_drain(self.drain_timeout)
+        except (TimeoutError, KeyboardInterrupt) as e:
+            log.error("snapsvc: %d checkpoint(s) not committed (%s %s); each stays hidden "
+                      "until it is", self._snapsvc_committer.count(), type(e).__name__, e)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Wait for pending checkpoints (raising a failed one), then save as the Trainer does."""
