@@ -8,7 +8,7 @@ one :meth:`SnapshotWriter.submit` and returns; the writer sidecar writes them.
 Layout. A committed ``checkpoint-<step>/`` holds::
 
     snapsvc_state.fdl        the tensors of the model, optimizer and scaler: flodl's format
-    snapsvc_state.fdl.data   the torch RNG states (uint8), in its framing (docs/state.md)
+    snapsvc_state.fdl.data   the torch RNG states (uint8), in its framing (docs/format.md)
     snapsvc_state.fdl.meta   the state tree and non-tensor leaves (msgpack)
     trainer_state.json       HF's own file, which train() and HF tools read
     config.json ...          the rest of what the stock Trainer writes beside the
