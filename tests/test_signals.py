@@ -115,3 +115,37 @@ def test_sigterm_during_a_blocked_submit_still_drains_every_write(tmp_path):
         snapsvc.restore(str(tmp_path / name), fresh)
         for k, v in fresh.state_dict().items():
             assert torch.equal(v, expect[k]), (name, k)
+
+
+def _sidecars() -> set[int]:
+    """Pids of this process's sidecar children (their boot line names the worker)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"snapsvc.sidecar.worker" in cmd:
+            found.add(int(pid))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_sidecar_starts_leaves_no_process_and_a_later_submit_works(
+        tmp_path, no_leaks):
+    before = _sidecars()
+    hook = functools.partial(hooks.pause, "start", "", 2.0)  # a slow start: READY comes late
+    w = snapsvc.SnapshotWriter(tmp_path, fault_hook=hook)  # not started yet
+    try:
+        timer = _signal_later(signal.SIGINT, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            w.start()
+        timer.join()
+        assert _sidecars() == before, "the half-started sidecar was left running"
+        w.submit(nn.Linear(4, 4), "after.fdl").result(timeout=60)
+    finally:
+        w.close(timeout=30)
+    assert snapsvc.verify(str(tmp_path / "after.fdl")).ok
