@@ -52,6 +52,7 @@ def scenario(rank: int, world: int, tmp: str) -> dict:
     with snapsvc.DistributedSnapshotWriter(d, coord_timeout=60) as w:
         w.submit(model, 1, optimizer=opt).result(timeout=60)
         w.submit({"model": model, "opt": opt, "rng": rng}, 2).result(timeout=60)
+        w.submit(make_model(rank), 3).result(timeout=60)   # not sharded: each rank's own file
     saved = full(model)
     out: dict = {}
     fresh = make_model(1)
@@ -84,7 +85,7 @@ def test_sharded_dtypes_go_to_the_data_file_and_restore(world2):
     tmp, results = world2
     for r in results:
         assert r == {"model_form": [], "state_form": [], "rng": True}, r
-    for step in (1, 2):
+    for step in (1, 2, 3):
         m = read_manifest(tmp / "ckpt" / f"step_{step}")
         rank0 = m.ranks[0]
         data = tmp / "ckpt" / f"step_{step}" / "rank0.fdl.data"
@@ -93,8 +94,11 @@ def test_sharded_dtypes_go_to_the_data_file_and_restore(world2):
                                                       "rank0.fdl").meta.data["crc32"]}
         meta = snapsvc.verify(tmp / "ckpt" / f"step_{step}" / "rank0.fdl").meta
         assert "InlineTensor" not in repr(meta.state), "a tensor stayed in the metadata"
-        assert {e["name"] for e in rank0.entries if e.get("file") == "rank0.fdl.data"} \
-            >= {"mask", "codes"} | ({"rng"} if step == 2 else set())
+        if step < 3:
+            assert {e["name"] for e in rank0.entries if e.get("file") == "rank0.fdl.data"} \
+                >= {"mask", "codes"} | ({"rng"} if step == 2 else set())
+        else:
+            assert m.ranks[1].data is not None and m.ranks[1].data["file"] == "rank1.fdl.data"
         assert verify_step(tmp / "ckpt" / f"step_{step}").ok
     # a plain model (world 1, this process) restores the sharded checkpoint too
     plain = make_model(3)
@@ -119,3 +123,19 @@ def test_a_flipped_byte_in_a_data_file_is_caught_by_the_manifest_crc(world2, tmp
     with pytest.raises(snapsvc.FormatError, match=r"rank0\.fdl\.data.*CRC-32|CRC-32.*rank0\.fdl\.data"):
         snapsvc.restore_distributed(step, plain)
     assert all(torch.equal(t, before[n]) for n, t in plain.state_dict().items())
+
+
+def test_verify_compares_each_data_file_with_the_manifest(world2, tmp_path):
+    """A data file whose metadata was rewritten with it (it changed after the commit)
+    differs from the manifest's record: verify_step names it."""
+    import shutil
+    from snapsvc.distributed.manifest import _write_manifest
+    src, _ = world2
+    step = tmp_path / "step_3"
+    shutil.copytree(src / "ckpt" / "step_3", step)
+    m = read_manifest(step)
+    m.ranks[1].data["crc32"] ^= 1
+    _write_manifest(str(step), m)
+    report = verify_step(step)
+    assert not report.ok
+    assert "rank1.fdl.data" in str(report) and "the manifest" in str(report), str(report)

@@ -92,6 +92,20 @@ class Manifest:
     path: str = ""
 
 
+def _committed(r: RankFile, meta: Any
+               ) -> list[tuple[str, str, tuple[Any, Any], tuple[Any, Any]]]:
+    """(role, file name, (size, CRC-32) in the rank's ``meta``, (size, CRC-32) in the
+    manifest) of the rank file and each companion the manifest records: they differ
+    when a file changed after the checkpoint was committed."""
+    out = [("file", r.file, (meta.size, meta.crc32), (r.size, r.crc32))]
+    for role, record, saved in (("optim", r.optim, meta.optimizer), ("data", r.data, meta.data)):
+        if record is not None:
+            saved = saved or {}
+            out.append((role, record["file"], (saved.get("size"), saved.get("crc32")),
+                        (record.get("size"), record.get("crc32"))))
+    return out
+
+
 def _write_manifest(directory: str, manifest: Manifest) -> str:
     """Durably write ``directory/manifest.msgpack``; fsync ``directory``'s parent too."""
     body = {"magic": MANIFEST_MAGIC, "manifest_version": MANIFEST_VERSION,

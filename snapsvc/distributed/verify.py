@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import FormatError
 from ..files.verify import VerifyReport, verify
-from .manifest import MANIFEST_NAME, Manifest, _STEP_RE, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, _STEP_RE, _committed, read_manifest
 from .pieces import _globals
 
 __all__ = ["StepReport", "verify_step"]
@@ -63,13 +63,7 @@ def verify_step(path: str | os.PathLike[str]) -> StepReport:
         report.ranks.append(rank)
         if rank.meta is None:
             continue
-        pairs = [(r.file, (rank.meta.size, rank.meta.crc32), (r.size, r.crc32))]
-        for committed, saved in ((r.optim, rank.meta.optimizer), (r.data, rank.meta.data)):
-            if committed is not None:
-                saved = saved or {}
-                pairs.append((committed["file"], (saved.get("size"), saved.get("crc32")),
-                              (committed.get("size"), committed.get("crc32"))))
-        for name, in_meta, in_manifest in pairs:
+        for _, name, in_meta, in_manifest in _committed(r, rank.meta):
             if in_meta != in_manifest:
                 report.problems.append(
                     f"{os.path.join(m.path, name)}: its metadata records size {in_meta[0]} and "
