@@ -107,6 +107,17 @@ def test_sharded_dtypes_go_to_the_data_file_and_restore(world2):
     assert all(torch.equal(t, saved[n]) for n, t in plain.state_dict().items())
 
 
+def test_consolidate_writes_the_data_file_too(world2, tmp_path):
+    tmp, _ = world2
+    dst = tmp_path / "full.fdl"
+    snapsvc.distributed.consolidate(tmp / "ckpt" / "step_1", dst)
+    assert snapsvc.verify(dst).ok and (tmp_path / "full.fdl.data").exists()
+    plain = make_model(5)
+    snapsvc.restore(dst, plain)
+    saved = torch.load(tmp / "saved.pt")
+    assert all(torch.equal(t, saved[n]) for n, t in plain.state_dict().items())
+
+
 def test_a_flipped_byte_in_a_data_file_is_caught_by_the_manifest_crc(world2, tmp_path):
     import shutil
     src, _ = world2
