@@ -149,3 +149,25 @@ def test_ctrl_c_while_the_sidecar_starts_leaves_no_process_and_a_later_submit_wo
     finally:
         w.close(timeout=30)
     assert snapsvc.verify(str(tmp_path / "after.fdl")).ok
+
+
+@pytest.mark.timeout(60)
+def test_close_with_a_timeout_returns_while_an_interrupted_write_waits_for_a_hung_sidecar(
+        tmp_path, no_leaks):
+    """A Ctrl-C leaves its WRITE to the sender; a sidecar that never reads it
+    (stopped) must not make close(timeout=) wait past its deadline for STOP."""
+    w = snapsvc.SnapshotWriter(tmp_path, slots=2)
+    try:
+        w.submit(nn.Linear(4, 4), "before.fdl").result(timeout=60)
+        os.kill(w.pid, signal.SIGSTOP)
+        timer = _signal_later(signal.SIGINT, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            w.submit(nn.Linear(4, 4), "stuck.fdl", extra=BIG_EXTRA)
+        timer.join()
+        t0 = time.monotonic()
+        w.close(timeout=2)
+        assert time.monotonic() - t0 < 15, "close(timeout=2) waited for the hung sidecar"
+    finally:
+        w.close(timeout=5)
+    assert snapsvc.verify(str(tmp_path / "before.fdl")).ok
+    assert not (tmp_path / "stuck.fdl").exists()
