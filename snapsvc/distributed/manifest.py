@@ -97,7 +97,8 @@ def _committed(r: RankFile, meta: Any
     """(role, file name, (size, CRC-32) in the rank's ``meta``, (size, CRC-32) in the
     manifest) of the rank file and each companion the manifest records: they differ
     when a file changed after the checkpoint was committed."""
-    out = [("file", r.file, (meta.size, meta.crc32), (r.size, r.crc32))]
+    out: list[tuple[str, str, tuple[Any, Any], tuple[Any, Any]]] = [
+        ("file", r.file, (meta.size, meta.crc32), (r.size, r.crc32))]
     for role, record, saved in (("optim", r.optim, meta.optimizer), ("data", r.data, meta.data)):
         if record is not None:
             saved = saved or {}
