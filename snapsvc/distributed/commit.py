@@ -169,18 +169,18 @@ class Coordinator:
         except Exception as e:
             out["error"] = f"reading back its metadata: {_reason(e)}"
             return out, None
-        optim = None
-        if meta.optimizer:
-            optim = {k: meta.optimizer[k] for k in ("file", "size", "crc32")}
+        optim, data = ({k: c[k] for k in ("file", "size", "crc32")} if c else None
+                       for c in (meta.optimizer, meta.data))
         entries = None
         if item.records is not None:
             try:
-                entries = _entry_table(item.handle.file, item.records)
+                entries = _entry_table(item.handle.file, item.records,
+                                       data and data["file"])
             except Exception as e:
                 out["error"] = f"reading back its entry table: {_reason(e)}"
                 return out, None
         out.update(ok=True, file=os.path.basename(item.handle.file), size=meta.size,
-                   crc32=meta.crc32, optim=optim, entries=entries)
+                   crc32=meta.crc32, optim=optim, entries=entries, data=data)
         return out, report
 
     def _differences(self, item: _Item) -> dict[int, str]:
@@ -242,7 +242,8 @@ class Coordinator:
             try:
                 manifest = Manifest(
                     step=step, world_size=self.world_size,
-                    ranks=[RankFile(r, g["file"], g["size"], g["crc32"], g["optim"], g["entries"])
+                    ranks=[RankFile(r, g["file"], g["size"], g["crc32"], g["optim"], g["entries"],
+                                    g["data"])
                            for r, g in enumerate(gathered)],
                     format_version=fdl.VERSION,
                     epoch=None if item.epoch is None else int(item.epoch),
@@ -282,7 +283,8 @@ class Coordinator:
                 self.on_commit(item.handle)
             else:
                 item.handle.fail_upload(f"not uploaded: {self.broken}")
-        total = sum(g["size"] + (g["optim"]["size"] if g["optim"] else 0) for g in gathered)
+        total = sum(g["size"] + sum(c["size"] for c in (g["optim"], g["data"]) if c)
+                    for g in gathered)
         self.counts["committed"] += 1
         with self.lock:
             self.unresolved.pop(item.handle.seq, None)

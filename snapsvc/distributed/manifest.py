@@ -5,6 +5,7 @@ Layout on disk (``directory`` on a filesystem every rank shares)::
     directory/step_<N>/rank0.fdl[.gz]       rank 0's model (flodl's format)
     directory/step_<N>/rank0.fdl.meta       its metadata (snapsvc.files.meta)
     directory/step_<N>/rank0.optim.fdl      its optimizer state, when saved
+    directory/step_<N>/rank0.fdl.data       its tensors of dtypes .fdl lacks, when any
     ...                                     the same for every rank
     directory/step_<N>/manifest.msgpack     written last, by rank 0
 
@@ -12,7 +13,7 @@ A ``step_<N>`` directory without a valid manifest is incomplete by
 definition: the manifest is written (durably: temp file, fsync, rename,
 fsync of the step directory and of ``directory``) only after every rank has
 reported its files durable, and it records each rank's file name, size and
-CRC-32. :func:`~snapsvc.distributed.tier.latest_checkpoint` returns only
+CRC-32 (and those of its optimizer file and data file). :func:`~snapsvc.distributed.tier.latest_checkpoint` returns only
 complete checkpoints.
 """
 
@@ -67,8 +68,10 @@ class RankFile:
     size: int                      # bytes on disk
     crc32: int                     # of those bytes
     optim: dict[str, Any] | None = None  # {"file", "size", "crc32"} of the optimizer file
-    # sharded checkpoints: one record per entry of ``file`` (see docs/distributed.md)
+    # sharded checkpoints: one record per entry of ``file`` or ``data`` (see docs/distributed.md)
     entries: list[dict[str, Any]] | None = None
+    # {"file", "size", "crc32"} of the data file (tensors .fdl has no tag for), when written
+    data: dict[str, Any] | None = None
 
 
 @dataclass
@@ -87,6 +90,21 @@ class Manifest:
     # class, param groups and non-tensor state (snapsvc.state.resume), or None}
     sharded: dict[str, Any] | None = None
     path: str = ""
+
+
+def _committed(r: RankFile, meta: Any
+               ) -> list[tuple[str, str, tuple[Any, Any], tuple[Any, Any]]]:
+    """(role, file name, (size, CRC-32) in the rank's ``meta``, (size, CRC-32) in the
+    manifest) of the rank file and each companion the manifest records: they differ
+    when a file changed after the checkpoint was committed."""
+    out: list[tuple[str, str, tuple[Any, Any], tuple[Any, Any]]] = [
+        ("file", r.file, (meta.size, meta.crc32), (r.size, r.crc32))]
+    for role, record, saved in (("optim", r.optim, meta.optimizer), ("data", r.data, meta.data)):
+        if record is not None:
+            saved = saved or {}
+            out.append((role, record["file"], (saved.get("size"), saved.get("crc32")),
+                        (record.get("size"), record.get("crc32"))))
+    return out
 
 
 def _write_manifest(directory: str, manifest: Manifest) -> str:
@@ -151,8 +169,9 @@ def _manifest_from(raw: dict[str, Any], mpath: str, directory: str) -> Manifest:
                           f"{m.world_size}", path=mpath)
     for r in m.ranks:
         _plain_name(r.file, mpath)
-        if r.optim is not None:
-            _plain_name(r.optim.get("file"), mpath)
+        for companion in (r.optim, r.data):
+            if companion is not None:
+                _plain_name(companion.get("file"), mpath)
     return m
 
 
@@ -176,8 +195,9 @@ def _missing(m: Manifest, size_of: Callable[[str], int | None] | None = None,
     for r in m.ranks:
         check(r.file, r.size)
         check(meta_path(r.file), None)
-        if r.optim is not None:
-            check(r.optim["file"], r.optim["size"])
+        for companion in (r.optim, r.data):
+            if companion is not None:
+                check(companion["file"], companion["size"])
     return problems
 
 

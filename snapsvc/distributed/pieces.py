@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from isal import isal_zlib
 
-from ..format import fdl
+from ..format import datafile, fdl
 from ..errors import FormatError
 from .manifest import MANIFEST_NAME, Manifest
 from .shards import SHARDS_KEY, _DTYPES, _block_of, _is_dtensor
@@ -30,21 +30,36 @@ def _crc_of(f: Any, n: int, crc: int = 0) -> int:
     return crc
 
 
-def _entry_table(path: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``records`` with where each entry lies in ``path`` and its CRC-32, read back
-    from the file just written (offsets from the entry headers; the CRC covers
-    the entry's header and data, so a reader checks both with one range)."""
-    with open(path, "rb") as f:
-        dec = fdl.Decoder(f, size=os.fstat(f.fileno()).st_size, seekable=True, path=path)
-        found = list(dec.entries(load=False))
-        if [e.name for e in found] != [r["name"] for r in records]:
-            raise FormatError("the file's entries are not the pieces staged for it", path=path)
-        out = []
-        for e, r in zip(found, records):
-            f.seek(e.offset)
-            end = e.data_offset + e.nbytes
-            out.append({**r, "offset": e.offset, "data": e.data_offset, "end": end,
-                        "crc32": _crc_of(f, end - e.offset)})
+def _entry_table(path: str, records: list[dict[str, Any]], data: str | None
+                 ) -> list[dict[str, Any]]:
+    """``records`` with where each entry lies and its CRC-32, read back from the
+    files just written (offsets from the entry headers; the CRC covers the
+    entry's header and data, so a reader checks both with one range). A piece
+    of a dtype ``.fdl`` has no tag for is in the data file ``data`` (a name
+    beside ``path``): its record says so with ``"file"``."""
+    in_data = [_DTYPES[r["dtype"]] not in fdl.DTYPE_TO_TAG for r in records]
+    out: list[dict[str, Any]] = [{}] * len(records)
+    for name, framing, here in ((os.path.basename(path), fdl.FDL, False),
+                                (data, datafile.DATA, True)):
+        mine = [i for i, d in enumerate(in_data) if d == here]
+        if name is None:
+            if mine:
+                raise FormatError("the metadata records no data file although pieces of "
+                                  "its dtypes were staged", path=path)
+            continue
+        where = os.path.join(os.path.dirname(path), name)
+        with open(where, "rb") as f:
+            dec = fdl.Decoder(f, size=os.fstat(f.fileno()).st_size, seekable=True, path=where,
+                              framing=framing)
+            found = list(dec.entries(load=False))
+            if [e.name for e in found] != [records[i]["name"] for i in mine]:
+                raise FormatError("the file's entries are not the pieces staged for it",
+                                  path=where)
+            for e, i in zip(found, mine):
+                f.seek(e.offset)
+                end = e.data_offset + e.nbytes
+                out[i] = {**records[i], "offset": e.offset, "data": e.data_offset, "end": end,
+                          "crc32": _crc_of(f, end - e.offset), **({"file": name} if here else {})}
     return out
 
 
@@ -79,7 +94,10 @@ def _globals(m: Manifest) -> dict[str, _Global]:
             try:
                 name, shape = r["name"], [int(d) for d in r["shape"]]
                 dtype = _DTYPES[r["dtype"]]
-                piece = _Piece(os.path.join(m.path, rf.file), int(r["offset"]), int(r["data"]),
+                file = r.get("file", rf.file)   # the data file's pieces name it
+                if file not in (rf.file, (rf.data or {}).get("file")):
+                    raise ValueError(f"file {file!r} is not one of the rank's")
+                piece = _Piece(os.path.join(m.path, file), int(r["offset"]), int(r["data"]),
                                int(r["end"]), int(r["crc32"]), [int(o) for o in r["offsets"]],
                                [int(n) for n in r["lengths"]])
                 g = out.setdefault(name, _Global(name, r["kind"], shape, dtype))
@@ -194,7 +212,10 @@ class _PieceReader:
 
 
 def _sizes(m: Manifest) -> dict[str, int]:
-    return {os.path.join(m.path, r.file): r.size for r in m.ranks}
+    """The recorded size of every rank file and data file, by path."""
+    out = {os.path.join(m.path, r.file): r.size for r in m.ranks}
+    out.update((os.path.join(m.path, r.data["file"]), r.data["size"]) for r in m.ranks if r.data)
+    return out
 
 
 def _region(t: torch.Tensor) -> tuple[list[int], list[int]] | None:

@@ -25,6 +25,7 @@ from ..state.resume import optimizer_state_dict, restore
 from ..state.readback import rebuild, restore_tree
 from ..state.paths import param_names, path_name
 from .coord import _rank_and_world
+from .manifest import _committed
 from .shards import _dtensor_type, _is_dtensor
 from .pieces import _PieceReader, _globals, _region, _user_extra
 from .tier import LocalStep, open_step
@@ -95,13 +96,10 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
         # restore() reads each file once, checking it against its .meta; the .meta
         # must record what the manifest committed, so the file is the committed one.
         meta = read_meta(file)
-        records = [(file, (meta.size, meta.crc32), (entry.size, entry.crc32))]
-        if optimizer is not None and entry.optim is not None:
-            saved = meta.optimizer or {}
-            records.append((os.path.join(os.path.dirname(file), entry.optim["file"]),
-                            (saved.get("size"), saved.get("crc32")),
-                            (entry.optim["size"], entry.optim["crc32"])))
-        for p, in_meta, in_manifest in records:
+        for role, name, in_meta, in_manifest in _committed(entry, meta):
+            p = os.path.join(os.path.dirname(file), name)
+            if role == "optim" and optimizer is None:
+                continue   # not read
             if in_meta != in_manifest:
                 raise FormatError(f"its metadata records size {in_meta[0]} and CRC-32 "
                                   f"{in_meta[1]}, the manifest {in_manifest[0]} and "

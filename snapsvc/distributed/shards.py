@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..files.checkpoint import persistent_buffers
-from ..format import fdl
+from ..format import datafile, fdl
 from ..engine.pools import tensor_guard
 from ..engine.snapshot import ModelSnapshot
 from ..state.resume import optimizer_state
@@ -32,7 +32,8 @@ SHARDS_KEY = "snapsvc_shards"
 # A DTensor's local tensor itself: under no_grad ``to_local()`` returns it too,
 # except for a Parameter, where it is a new view at every call
 _LOCAL = operator.attrgetter("_local_tensor")
-_DTYPES = {str(d).removeprefix("torch."): d for d in fdl.DTYPE_TO_TAG}
+# a piece's dtype: one .fdl tags, or one of the data file's (the piece is written there)
+_DTYPES = {str(d).removeprefix("torch."): d for d in (*fdl.DTYPE_TO_TAG, *datafile.DTYPE_TO_TAG)}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The remote tier of a multi-rank writer: this rank's thread that commits each step remotely.
 
 Each rank's sidecar uploads its own files as a single-process writer does
-(:class:`snapsvc.remote.upload.Uploader`: the rank file and optimizer file
+(:class:`snapsvc.remote.upload.Uploader`: the rank file, optimizer file and data file
 checked against their ``.meta`` on the way, ``.meta`` last). Then, per step
 committed locally, in commit order, on a thread and a gloo group of their own
 (so that a slow upload never delays the local commits of later steps)::

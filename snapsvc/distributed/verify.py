@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import FormatError
 from ..files.verify import VerifyReport, verify
-from .manifest import MANIFEST_NAME, Manifest, _STEP_RE, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, _STEP_RE, _committed, read_manifest
 from .pieces import _globals
 
 __all__ = ["StepReport", "verify_step"]
@@ -40,7 +40,7 @@ class StepReport:
 
 def verify_step(path: str | os.PathLike[str]) -> StepReport:
     """Check a ``step_<N>`` directory (or its manifest): the manifest decodes and names
-    this step, every rank's file and optimizer file is whole (structure, size and CRC-32
+    this step, every rank's file, optimizer file and data file is whole (structure, size and CRC-32
     against its metadata, as :func:`snapsvc.verify`), and each rank's metadata records
     the size and CRC-32 the manifest committed. Never raises for a bad checkpoint."""
     path = os.path.abspath(os.fspath(path))
@@ -63,12 +63,7 @@ def verify_step(path: str | os.PathLike[str]) -> StepReport:
         report.ranks.append(rank)
         if rank.meta is None:
             continue
-        saved = rank.meta.optimizer or {}
-        pairs = [(r.file, (rank.meta.size, rank.meta.crc32), (r.size, r.crc32))]
-        if r.optim is not None:
-            pairs.append((r.optim["file"], (saved.get("size"), saved.get("crc32")),
-                          (r.optim.get("size"), r.optim.get("crc32"))))
-        for name, in_meta, in_manifest in pairs:
+        for _, name, in_meta, in_manifest in _committed(r, rank.meta):
             if in_meta != in_manifest:
                 report.problems.append(
                     f"{os.path.join(m.path, name)}: its metadata records size {in_meta[0]} and "

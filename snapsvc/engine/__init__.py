@@ -39,7 +39,7 @@ Who owns what::
     snapshot.py  ModelSnapshot and snapshot_cpu (flodl's API)
     handles.py   WriteHandle and WriteReport
     link.py      Sidecar: the trainer's link to its sidecar process: start,
-                 handshake, reports, death                                    _send_lock
+                 handshake, reports, death, the sender thread                 _send_lock
 
 Locking. ``Book.cond`` (one lock) guards every piece of shared state:
 pending writes, slots, pools and plans, the broken/closing flags and the
@@ -49,9 +49,12 @@ tensors are copied, while waiting for the sidecar to start, or while a
 handle's callbacks run. Every wait ends on close, on the sidecar's death, or
 at a timeout. All public methods are safe to call from any thread.
 
-Messages are msgpack written synchronously with ``send_bytes``, so a submit
-that returned has its message in the kernel's socket buffer: a SIGKILL of the
+Messages are msgpack written with ``send_bytes`` by the link's sender
+thread, and a submit returns only once its message is sent: a submit that
+returned has its message in the kernel's socket buffer, a SIGKILL of the
 trainer cannot lose it, and the sidecar drains the socket before it exits.
+A signal handled on the main thread (Ctrl-C, SIGTERM) interrupts only the
+wait, never a message half-way (see ``link.py``).
 Reports come back in submit order because the sidecar works in order.
 
 Imports: ``sidecar`` (nothing but the boot line's module name), ``remote``,

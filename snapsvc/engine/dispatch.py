@@ -88,35 +88,53 @@ class Dispatcher:
 
         If the sidecar is gone (dead, or reaped by a close that timed out),
         the handle fails here, unless the reader thread already failed it.
+        A signal (Ctrl-C, SIGTERM) before the WRITE is posted drops the write
+        and frees its slot; once posted, the message goes out whole and is
+        written, whatever interrupts the wait for it (see :mod:`.link`).
         """
-        book = self.book
-        lock = self.sidecar.claim_lock
-        if lock is not None:
-            # One send at a time, so the sidecar hears each slot's layouts in
-            # the order ``slot.told`` records them.
-            with self._order:
-                with lock:
-                    slot.claim.fill_(seq)
-                told = (self.sidecar.gen, slot.layout)
-                if slot.told is None or slot.told[0] != told[0] \
-                        or not slot.told[1].placed_like(told[1]):
-                    msg = {**msg, "layout": told[1].to_msg()}
-                elif slot.told[1] is not told[1]:   # new headers, the tensor bytes in place
-                    msg = {**msg, "renamed": told[1].renamed_msg()}
-                sent = self.sidecar.send(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
-                                                       sent_at=time.monotonic(), **msg))
-                if sent:
-                    slot.told = told
-            if sent:
+        job = None
+        try:
+            lock = self.sidecar.claim_lock
+            if lock is not None:
+                # One post at a time, so the sidecar hears each slot's layouts in
+                # the order ``slot.told`` records them.
+                with self._order:
+                    with lock:
+                        slot.claim.fill_(seq)
+                    told = (self.sidecar.gen, slot.layout)
+                    if slot.told is None or slot.told[0] != told[0] \
+                            or not slot.told[1].placed_like(told[1]):
+                        msg = {**msg, "layout": told[1].to_msg()}
+                    elif slot.told[1] is not told[1]:   # new headers, the tensor bytes in place
+                        msg = {**msg, "renamed": told[1].renamed_msg()}
+                    job = self.sidecar.post(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                                          sent_at=time.monotonic(), **msg))
+                    if job is not None:
+                        slot.told = told
+            if job is not None and job.wait():
                 return
+        except BaseException:
+            if job is None:  # never posted: nobody would resolve it
+                self._drop(slot, seq, None)
+            raise
+        self._drop(slot, seq, BrokenWriterError(
+            "the writer sidecar is gone (closed or dead); this snapshot was not written"))
+
+    def _drop(self, slot: Slot, seq: int, err: BaseException | None) -> None:
+        """Fail a booked write the sidecar never heard of (``err`` None: interrupted, free its slot)."""
+        book = self.book
         with book.cond:
             p = book.pending.pop(seq, None)
             if p is not None:
                 slot.seq = None
-                book.counts["broken"] += 1
+                book.counts["broken" if err is not None else "failed"] += 1
                 book.cond.notify_all()
-            err = book.broken or BrokenWriterError(
-                "the writer sidecar is gone (closed or dead); this snapshot was not written")
+            if err is not None:
+                err = book.broken or err
+        if err is None:
+            self.broker.free(slot)
+            err = BrokenWriterError("this submit was interrupted before its snapshot "
+                                    "reached the writer; it was not written")
         if p is not None:
             p.handle._future.set_exception(err)
 

@@ -115,7 +115,9 @@ class Life:
                           len(late), timeout, ", ".join(late))
             self.copier.shutdown()  # overlap copies finish (memcpy) before STOP goes out
             if self.sidecar.proc is not None:
-                self.sidecar.send(protocol.pack(protocol.STOP))
+                # posted, not waited for: behind a WRITE that a hung sidecar never
+                # reads, the deadline below still holds
+                self.sidecar.post(protocol.pack(protocol.STOP))
                 left = None if deadline is None else max(0.1, deadline - time.monotonic())
                 if not self.sidecar.wait_exit(left):
                     self.sidecar.kill()

@@ -21,11 +21,21 @@ process has exited (only the sidecar holds the write end). The reader thread
 waits on ``[report pipe, sentinel]`` and, when the process is gone, calls
 ``on_exit(gen, proc)`` once, after every report already in the pipe.
 
+Signals. A message goes out whole or not at all: one *sender* thread per
+generation writes every message (and the slot fd after it) to the socket.
+Python runs signal handlers on the main thread only, so a Ctrl-C or a
+SIGTERM (turned into ``SystemExit``) that arrives while a large WRITE waits
+for a busy sidecar interrupts the caller's wait, never the send: a message
+cut half-way would make the sidecar read the next bytes as its body. The
+replies (reports) are read on the reader thread for the same reason, and a
+signal during :meth:`start` stops the half-started process.
+
 Locking. :meth:`start` and :meth:`reap` change which process this is; the
 owner calls them under its own lifecycle lock, never concurrently.
-:meth:`send` may be called from any thread: ``_send_lock`` keeps a message
-and the file descriptor that follows it together on the socket. The
-callbacks run on the reader thread with no lock of this class held.
+:meth:`post` and :meth:`send` may be called from any thread: the sender
+keeps a message and the file descriptor that follows it together on the
+socket, in the order they were posted. The callbacks run on the reader
+thread with no lock of this class held.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -45,7 +56,7 @@ from ..errors import BrokenWriterError
 from ..format import protocol
 from ..format.claims import ClaimLock
 
-__all__ = ["Sidecar", "describe", "nice_of"]
+__all__ = ["Sidecar", "Sent", "describe", "nice_of"]
 
 log = logging.getLogger("snapsvc")
 
@@ -96,6 +107,41 @@ class Process:
         os.close(self.sentinel)
 
 
+class Sent:
+    """One posted message: :meth:`wait` for whether it reached the socket whole."""
+
+    def __init__(self, data: bytes, fd: int | None) -> None:
+        self.data, self.fd = data, fd
+        self.ok = False
+        self._done = threading.Event()
+
+    def wait(self) -> bool:
+        """True once sent, False if the process was gone. A signal interrupts
+        only this wait: the message still goes out whole."""
+        self._done.wait()
+        return self.ok
+
+    def finish(self, ok: bool) -> None:
+        self.ok = ok
+        self._done.set()
+
+
+def _send_all(outbox: "queue.SimpleQueue[Sent | None]", req: Connection,
+              req_sock: socket.socket) -> None:
+    """The sender thread of one generation: write each posted message whole, in order."""
+    while (job := outbox.get()) is not None:
+        ok = False
+        try:
+            req.send_bytes(job.data)
+            if job.fd is not None:
+                socket.send_fds(req_sock, [b"\0"], [job.fd])
+            ok = True
+        except (OSError, ValueError) as e:  # dead (EPIPE), or our end closed
+            log.debug("send to the writer failed: %s", e)
+        finally:
+            job.finish(ok)
+
+
 class Sidecar:
     """The current writer process, its channels and its reader thread."""
 
@@ -105,7 +151,9 @@ class Sidecar:
         self._options = options
         self._on_report = on_report
         self._on_exit = on_exit
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # guards _outbox: nothing is posted after the stop
+        self._outbox: queue.SimpleQueue[Sent | None] | None = None
+        self._sender: threading.Thread | None = None
         self.gen = 0
         self.proc: Process | None = None
         self.claim_lock: ClaimLock | None = None
@@ -145,14 +193,21 @@ class Sidecar:
         rep = Connection(rep_r, writable=False)
         msg = None
         try:
-            req.send_bytes(options)
-        except OSError:  # died at once; described below
-            pass
-        if rep in wait([rep, sentinel], timeout=timeout):
             try:
-                msg = protocol.unpack(rep.recv_bytes())
-            except (EOFError, OSError, ValueError):
+                req.send_bytes(options)
+            except OSError:  # died at once; described below
                 pass
+            if rep in wait([rep, sentinel], timeout=timeout):
+                try:
+                    msg = protocol.unpack(rep.recv_bytes())
+                except (EOFError, OSError, ValueError):
+                    pass
+        except BaseException:  # a Ctrl-C while it boots: no half-started process is left
+            proc.kill()
+            proc.join(5)
+            for end in (req, req_sock, rep, proc, lock):
+                end.close()
+            raise
         if msg is None or msg["op"] != protocol.READY:
             if not wait([sentinel], timeout=5):  # exiting, or hung: give it 5 s
                 proc.kill()
@@ -162,23 +217,31 @@ class Sidecar:
             raise BrokenWriterError(f"the writer sidecar did not start: {describe(proc)}")
         self.gen += 1
         self.proc, self._req, self._req_sock, self.claim_lock = proc, req, req_sock, lock
+        self._outbox = queue.SimpleQueue()
+        self._sender = threading.Thread(target=_send_all, args=(self._outbox, req, req_sock),
+                                        name="snapsvc-sender", daemon=True)
+        self._sender.start()
         self.reader = threading.Thread(target=self._read, args=(self.gen, rep, proc),
                                        name="snapsvc-reports", daemon=True)
         self.reader.start()
         return self.gen
 
+    def post(self, data: bytes, fd: int | None = None) -> Sent | None:
+        """Queue one message (and a slot's shared-memory fd after it) for the
+        sender thread; None if the process is reaped. ``fd`` must stay open
+        until the message is sent."""
+        with self._send_lock:
+            if self._outbox is None:
+                return None
+            job = Sent(data, fd)
+            self._outbox.put(job)
+            return job
+
     def send(self, data: bytes, fd: int | None = None) -> bool:
-        """Send one message (and a slot's shared-memory fd after it); False if the process is gone."""
-        try:
-            with self._send_lock:
-                self._req.send_bytes(data)  # type: ignore[union-attr]
-                if fd is not None:
-                    socket.send_fds(self._req_sock, [b"\0"], [fd])  # type: ignore[arg-type]
-            return True
-        except (BrokenPipeError, ConnectionResetError, OSError, AttributeError) as e:
-            # Dead (or reaped: _req is None): the reader thread fails what is pending.
-            log.debug("send to the writer failed: %s", e)
-            return False
+        """Send one message and wait for it; False if the process is gone (the
+        reader thread then fails what is pending)."""
+        job = self.post(data, fd)
+        return job is not None and job.wait()
 
     def exited(self) -> bool:
         """Has the current process exited? (through its sentinel)"""
@@ -198,6 +261,13 @@ class Sidecar:
     def reap(self) -> None:
         """Forget a dead or stopped process: join its reader, close our ends."""
         self.join_reader()
+        with self._send_lock:
+            if self._outbox is not None:
+                self._outbox.put(None)
+            self._outbox = None
+        if self._sender is not None:  # the process is gone: a blocked send fails at once
+            self._sender.join(10)
+            self._sender = None
         with self._send_lock:
             for end in (self._req, self._req_sock):
                 if end is not None:

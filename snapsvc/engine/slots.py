@@ -43,11 +43,19 @@ class SlotBroker:
             for slot in todo:
                 slot.registering = gen  # another thread submitting it now waits instead
                 slot.told = (gen, slot.layout)  # the SLOT message carries it
-        for slot in todo:   # exactly the layout told: a WRITE may send only new names
-            if not sidecar.send(protocol.pack(protocol.SLOT, slot=slot.id,
-                                              layout=slot.told[1].to_msg()), slot_fd(slot.flat)):
-                sidecar.join_reader(5)  # it sees the death and sets broken
-                break
+        posted = []
+        try:   # exactly the layout told: a WRITE may send only new names
+            for slot in todo:
+                posted.append(sidecar.post(protocol.pack(protocol.SLOT, slot=slot.id,
+                                                         layout=slot.told[1].to_msg()),
+                                           slot_fd(slot.flat)))
+        finally:  # a signal before a slot was posted: the next submit registers it again
+            if len(posted) < len(todo):
+                with book.cond:
+                    for slot in todo[len(posted):]:
+                        slot.registering = -1
+        if not all(job is not None and job.wait() for job in posted):
+            sidecar.join_reader(5)  # it sees the death and sets broken
         # Wait until the writer has mapped them: until then their fds live only
         # in this process, and a submit must not depend on it staying alive.
         book.wait_until(lambda: all(s.gen == gen for s in pool) or book.closed

@@ -44,13 +44,10 @@ class ModelSnapshot:
     def save_file(self, path: str | os.PathLike[str], *, compress_level: int | None = None) -> None:
         """Write durably to ``path`` (gzip on ``.gz``; a bool buffer, say, to its data
         file), then its metadata."""
-        entries = self.entries()
-        rest = [(n, t) for n, t in entries if t.dtype not in fdl.DTYPE_TO_TAG]
-        write_with_meta(path, [(n, t) for n, t in entries if t.dtype in fdl.DTYPE_TO_TAG],
+        write_with_meta(path, self.entries(),
                         Meta(buffers=list(self.buffers), epoch=self.epoch,
                              metrics=dict(self.metrics)),
-                        compress_level=compress_level,
-                        data=fdl.Encoder(rest, framing=datafile.DATA) if rest else None)
+                        compress_level=compress_level)
 
 
 def model_sources(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]],

@@ -21,7 +21,7 @@ from typing import Union
 import torch
 
 from ..errors import FormatError
-from ..format import fdl, framing
+from ..format import datafile, fdl, framing
 from . import metafile
 from .checkpoint import Checkpoint, read_verified
 from .metafile import (DATA_SUFFIX, META_SUFFIX, META_VERSION, Companion, FileStats, Meta,
@@ -43,8 +43,15 @@ def write_with_meta(path: str | os.PathLike[str], entries: Entries, meta: Meta, 
                     trash: list[str] | None = None) -> FileStats:
     """:func:`snapsvc.files.metafile.write_with_meta` of (name, tensor) pairs:
     ``entries`` and ``optim``'s may be lists of pairs (encoded with
-    ``meta.structural_hash``, the optimizer file with none) or encoders."""
+    ``meta.structural_hash``, the optimizer file with none) or encoders. Pairs
+    of ``entries`` of dtypes ``.fdl`` has no tag for (a bool buffer) go to the
+    data file, unless ``data`` is given."""
     hash_ = bytes.fromhex(meta.structural_hash) if meta.structural_hash else None
+    if not isinstance(entries, framing.Encoder) and data is None:
+        rest = [(n, t) for n, t in entries if t.dtype not in fdl.DTYPE_TO_TAG]
+        if rest:
+            entries = [(n, t) for n, t in entries if t.dtype in fdl.DTYPE_TO_TAG]
+            data = fdl.Encoder(rest, framing=datafile.DATA)
     encoder = entries if isinstance(entries, framing.Encoder) \
         else fdl.Encoder(entries, structural_hash=hash_)
     if optim is not None and not isinstance(optim[1], framing.Encoder):

@@ -9,9 +9,10 @@ reader use, so a value the trainer accepts is one they accept: int map keys
 included. Nothing is pickled.
 
 Every message is one ``send_bytes`` of a ``multiprocessing`` connection (a
-Unix socket to the writer, a pipe back), written synchronously by the
-sending thread: unlike ``multiprocessing.Queue`` there is no feeder thread
-whose buffer a SIGKILL could lose. The only pickled payload is the writer's
+Unix socket to the writer, a pipe back), written whole by one sender
+thread that signal handlers never interrupt, while the submitting thread
+waits for it: unlike ``multiprocessing.Queue``, nothing a call has returned
+from waits in a buffer a SIGKILL could lose. The only pickled payload is the writer's
 options (its ``fault_hook``), its first message; a slot's shared memory
 follows its ``SLOT`` message as a file descriptor (``SCM_RIGHTS``).
 

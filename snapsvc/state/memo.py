@@ -24,9 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..format.protocol import InlineTensor
 
-__all__ = ["Guard", "Part", "WalkMemo", "walk", "is_leaf", "leaves", "same", "has_inline"]
+__all__ = ["Guard", "Part", "WalkMemo", "walk", "is_leaf", "leaves", "same"]
 
 _PLAIN = (str, bytes, bool, float, type(None))
 
@@ -122,8 +121,3 @@ def same(then: list, now: list) -> bool:
                and ptr(a) == ptr(b) for a, b in zip(then, now))
 
 
-def has_inline(node: dict) -> bool:
-    """Whether a mapping's tree node (of :func:`_leaves`'s shape) holds an inline tensor."""
-    return any(type(x) is InlineTensor
-               or type(x) is dict and any(type(y) is InlineTensor for y in x.values())
-               for x in node.values())

@@ -22,9 +22,9 @@ the top-level values. Its parameters then persistent buffers come first in
 the file and its structural hash goes in the header; every other entry
 follows in the state's order. Tensors of other dtypes (bool, uint8, int8,
 int16, complex, float8: RNG states are uint8) go through the slot like the
-rest, into the data file. Only a multi-rank submit (``sharded``) still keeps
-them as raw bytes in the metadata, within its size limit, as every snapsvc
-before the data file did (:data:`INLINE_DTYPES`; still read).
+rest, into the data file; a multi-rank submit's pieces too (its manifest
+records the data file's CRC-32). Metadata written before the data file
+holds them as raw bytes (:data:`INLINE_DTYPES`; still read).
 
 The tree itself (containers, key types, tuple versus list, non-tensor
 leaves, which live object each part came from) goes in the metadata, packed
@@ -35,7 +35,6 @@ The parts of one walk that the next may take as they are: :mod:`snapsvc.state.me
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,8 +47,8 @@ from ..errors import EncodeError, UnsupportedStateError
 from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers
 from ..format import datafile, fdl, kinds
 from ..format.layout import STATE, STATE_STEP
-from ..format.protocol import InlineTensor, ObjectNode, TensorRef
-from .memo import Part, WalkMemo, has_inline, leaves, same, walk
+from ..format.protocol import ObjectNode, TensorRef
+from .memo import Part, WalkMemo, leaves, same, walk
 from .paths import MAX_DEPTH, model_key, path_name, show
 
 __all__ = ["Flat", "StepState", "flatten", "check_plain", "dtensor_type", "is_dtensor",
@@ -58,8 +57,8 @@ __all__ = ["Flat", "StepState", "flatten", "check_plain", "dtensor_type", "is_dt
 _I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
 _PLAIN = (str, bytes, bool, float, type(None))
 
-# Tensors of these dtypes travelled in the metadata before the data file (and still do in
-# a multi-rank submit): how old checkpoints are read. Both directions written out.
+# Tensors of these dtypes travelled in the metadata before the data file (and in a
+# multi-rank submit's until issue 30): how such checkpoints are read. Both directions written out.
 INLINE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -72,19 +71,6 @@ INLINE_DTYPES: dict[str, torch.dtype] = {
     "complex128": torch.complex128,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
-}
-_INLINE_NAMES: dict[torch.dtype, str] = {
-    torch.bool: "bool",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.uint16: "uint16",
-    torch.uint32: "uint32",
-    torch.uint64: "uint64",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
 }
 
 
@@ -263,8 +249,7 @@ class _Walker:
                         return node
                     marks = self.marks()
                     node = kinds.like(v, self.mapping(v, path, step))
-                    if not has_inline(node):  # an inline tensor is a value of this moment
-                        self.remember(key, what, held, node, marks)
+                    self.remember(key, what, held, node, marks)
                     return node
                 return kinds.like(v, self.mapping(v, path, step))
             items = [self.value(item, path + (i,), step) for i, item in enumerate(v)]
@@ -310,11 +295,6 @@ class _Walker:
         framing = datafile.framing_of(t.dtype)
         if framing is None:
             raise self.refuse(path, f"a tensor of dtype {t.dtype}, which snapsvc cannot store")
-        if framing is not fdl.FDL and self.sharded:  # a rank's files: no data file
-            if subclass:
-                raise self.refuse(path, f"a DTensor of dtype {t.dtype}, which is kept in the "
-                                  "metadata, whole: pass .full_tensor()")
-            return self.inline(t, path)
         name = path_name(path) if name is None else name
         if name in self.names:
             raise self.refuse(path, f"its entry name {name!r} is taken by "
@@ -328,12 +308,6 @@ class _Walker:
             (kind, name, t) if i == 2 else (name, t))
         self.flat.geometry[i].append((kind, t.shape, t.dtype))
         return TensorRef(name)
-
-    def inline(self, t: torch.Tensor, path: tuple) -> InlineTensor:
-        name = _INLINE_NAMES[t.dtype]  # the data file's dtypes, checked by the caller
-        cpu = t.detach().to("cpu", copy=True).contiguous()  # a copy: later changes stay out
-        data = ctypes.string_at(cpu.data_ptr(), cpu.numel() * cpu.element_size())
-        return InlineTensor(name, tuple(cpu.shape), data)
 
     def module(self, m: nn.Module, path: tuple) -> ObjectNode:
         own = len(path) == 1 and path[0] == self.model_key   # keeps its own names
