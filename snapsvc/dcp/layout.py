@@ -3,7 +3,7 @@
 Each rank's ``rank<r>.fdl`` holds a flat mapping: a tensor item under
 ``"<fqn>@<offsets>"`` (its chunk's offsets in the global tensor), a bytes item
 under its fqn. DCP's ``Metadata`` is kept in plain values (no pickle) in rank
-0's ``.meta`` ``extra``, under :data:`META_KEY`.
+0's file, as the entry :data:`META_KEY`.
 """
 
 from __future__ import annotations
