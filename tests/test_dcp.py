@@ -56,11 +56,24 @@ def scenario_round_trip(rank: int, world: int, tmp: str) -> dict:
         with torch.no_grad():
             local(sd["w"]).add_(1.0)
         dcp.save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_2"), storage_writer=w)
+        # dcp.async_save (THREAD, DCP's own stager): the step after it never reaches the file
+        fut = dcp.async_save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_3"),
+                             storage_writer=w)
+        staged = local(sd["w"]).clone()   # also the value step_2 holds
+        with torch.no_grad():
+            local(sd["w"]).add_(100.0)
+        fut.result(timeout=60)
+        with torch.no_grad():
+            local(sd["w"]).copy_(staged)
         same = pid is not None and w._writer.writer.pid == pid
     finally:
         w.close()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "fs")))
     out = {"same_sidecar": same}
+    got_async = zeroed(sd)
+    dcp.load(got_async,
+             storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_3")))
+    out["async"] = torch.equal(local(got_async["w"]), staged)
     got_snap, got_fs = zeroed(sd), zeroed(sd)
     dcp.load(got_snap, storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_2")))
     dcp.load(got_fs, storage_reader=dcp.FileSystemReader(os.path.join(tmp, "fs")))
@@ -104,7 +117,7 @@ def test_round_trip_bit_exact_beside_filesystem_writer(saved):
     tmp, codes, results = saved
     assert codes == [0, 0], results
     for res in results:
-        assert res == {"same_sidecar": True, "snap": True, "fs": True}, res
+        assert res == {"same_sidecar": True, "async": True, "snap": True, "fs": True}, res
     step = tmp / "snap" / "step_2"
     assert {".metadata", "manifest.msgpack", "rank0.fdl", "rank0.fdl.meta", "rank1.fdl",
             "rank1.fdl.meta"} <= set(os.listdir(step))
