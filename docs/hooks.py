@@ -29,7 +29,7 @@ log = logging.getLogger(f"mkdocs.plugins.{__name__}")
 ROOT = Path(__file__).resolve().parent.parent
 API_PAGE = "api.md"
 # the modules whose public names the API page must cover
-PUBLIC = ("snapsvc", "snapsvc.distributed", "snapsvc.lightning", "snapsvc.transformers")
+PUBLIC = ("snapsvc", "snapsvc.distributed", "snapsvc.dcp", "snapsvc.lightning", "snapsvc.transformers")
 _DIRECTIVE = re.compile(r"^:::\s*([\w.]+)", re.M)
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>(~?)([^<]*)</code>")
 

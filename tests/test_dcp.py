@@ -1,0 +1,174 @@
+"""snapsvc as a DCP backend (issue 33): dcp.save/dcp.load through SnapsvcStorageWriter/Reader,
+with DCP's FileSystemWriter/Reader as the control in the same world."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import snapsvc
+from snapsvc.dcp import SnapsvcStorageReader, SnapsvcStorageWriter
+from dist_world import run_world
+
+pytestmark = [pytest.mark.timeout(150)]
+
+FULL_W = torch.arange(64, dtype=torch.float32).reshape(8, 8) / 7.0
+
+
+def make_state(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    return {"w": distribute_tensor(FULL_W.clone(), mesh, [Shard(0)]),
+            "b": torch.arange(5, dtype=torch.bfloat16),
+            "meta": {"epoch": 3, "name": "run"}}
+
+
+def zeroed(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            z = v.detach().clone()
+            (z.to_local() if hasattr(z, "to_local") else z).zero_()
+            out[k] = z
+        else:
+            out[k] = {"epoch": 0, "name": ""}
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def scenario_round_trip(rank: int, world: int, tmp: str) -> dict:
+    sd = make_state(rank, world)
+    w = SnapsvcStorageWriter(os.path.join(tmp, "snap", "step_1"), coord_timeout=30)
+    try:
+        dcp.save(sd, storage_writer=w)
+        pid = w._writer.writer.pid
+        # a second save through the same writer: the sidecar is kept
+        with torch.no_grad():
+            local(sd["w"]).add_(1.0)
+        dcp.save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_2"), storage_writer=w)
+        # dcp.async_save (THREAD, DCP's own stager): the step after it never reaches the file
+        fut = dcp.async_save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_3"),
+                             storage_writer=w)
+        staged = local(sd["w"]).clone()   # also the value step_2 holds
+        with torch.no_grad():
+            local(sd["w"]).add_(100.0)
+        fut.result(timeout=60)
+        with torch.no_grad():
+            local(sd["w"]).copy_(staged)
+        same = pid is not None and w._writer.writer.pid == pid
+    finally:
+        w.close()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "fs")))
+    out = {"same_sidecar": same}
+    got_async = zeroed(sd)
+    dcp.load(got_async,
+             storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_3")))
+    out["async"] = torch.equal(local(got_async["w"]), staged)
+    got_snap, got_fs = zeroed(sd), zeroed(sd)
+    dcp.load(got_snap, storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_2")))
+    dcp.load(got_fs, storage_reader=dcp.FileSystemReader(os.path.join(tmp, "fs")))
+    for name, got in (("snap", got_snap), ("fs", got_fs)):
+        out[name] = (torch.equal(local(got["w"]), local(sd["w"]))
+                     and torch.equal(got["b"], sd["b"]) and got["meta"] == sd["meta"])
+    return out
+
+
+def scenario_killed(rank: int, world: int, tmp: str) -> dict:
+    sd = make_state(rank, world)
+
+    class Dying(SnapsvcStorageWriter):
+        def write_data(self, plan, planner):
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().write_data(plan, planner)
+
+    w = Dying(os.path.join(tmp, "snap", "step_1"), coord_timeout=20)
+    try:
+        dcp.save(sd, storage_writer=w)
+        return {"saved": True}
+    except BaseException as e:
+        return {"saved": False, "error": type(e).__name__}
+    finally:
+        try:
+            w.close()
+        except BaseException:
+            pass
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dcp")
+    codes, results = run_world(tmp, 2, scenario_round_trip)
+    return tmp, codes, results
+
+
+@pytest.mark.timeout(150)
+def test_round_trip_bit_exact_beside_filesystem_writer(saved):
+    tmp, codes, results = saved
+    assert codes == [0, 0], results
+    for res in results:
+        assert res == {"same_sidecar": True, "async": True, "snap": True, "fs": True}, res
+    step = tmp / "snap" / "step_2"
+    assert {".metadata", "manifest.msgpack", "rank0.fdl", "rank0.fdl.meta", "rank1.fdl",
+            "rank1.fdl.meta"} <= set(os.listdir(step))
+    assert snapsvc.read_manifest(str(step)).world_size == 2
+    assert snapsvc.verify(str(step / "rank0.fdl")).ok
+
+
+@pytest.mark.timeout(150)
+def test_reshard_2_to_1(saved):
+    tmp, _, _ = saved
+    sd = {"w": torch.zeros(8, 8), "b": torch.zeros(5, dtype=torch.bfloat16),
+          "meta": {"epoch": 0, "name": ""}}
+    dcp.load(sd, storage_reader=SnapsvcStorageReader(tmp / "snap" / "step_1"), no_dist=True)
+    assert torch.equal(sd["w"], FULL_W)
+    assert torch.equal(sd["b"], torch.arange(5, dtype=torch.bfloat16))
+    assert sd["meta"] == {"epoch": 3, "name": "run"}
+
+
+@pytest.mark.timeout(150)
+def test_flipped_byte_is_format_error_state_unchanged(saved, tmp_path):
+    tmp, _, _ = saved
+    step = tmp_path / "step_1"
+    shutil.copytree(tmp / "snap" / "step_1", step)
+    data = bytearray((step / "rank1.fdl").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step / "rank1.fdl").write_bytes(bytes(data))
+    sd = {"w": torch.full((8, 8), 7.0), "b": torch.zeros(5, dtype=torch.bfloat16),
+          "meta": {"epoch": 0, "name": ""}}
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in sd.items()}
+    # DCP wraps every rank's error in its CheckpointException; the rank's error is a FormatError
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(sd, storage_reader=SnapsvcStorageReader(step), no_dist=True)
+    failure = info.value.failures[0][0]
+    assert isinstance(failure, snapsvc.FormatError) and "rank1.fdl" in str(failure), failure
+    assert torch.equal(sd["w"], before["w"]) and torch.equal(sd["b"], before["b"])
+    assert sd["meta"] == before["meta"]
+
+
+@pytest.mark.timeout(150)
+def test_default_reader_names_snapsvc_reader(saved):
+    tmp, _, _ = saved
+    sd = {"w": torch.zeros(8, 8)}
+    with pytest.raises(CheckpointException, match="SnapsvcStorageReader"):
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(tmp / "snap" / "step_1"), no_dist=True)
+
+
+@pytest.mark.timeout(150)
+def test_rank_killed_mid_save_writes_no_metadata(tmp_path):
+    codes, results = run_world(tmp_path, 2, scenario_killed, run_s=90)
+    assert codes[1] == -signal.SIGKILL
+    assert results[0]["saved"] is False, results[0]
+    step = tmp_path / "snap" / "step_1"
+    assert not (step / ".metadata").exists()
+    assert not (step / "manifest.msgpack").exists()
