@@ -59,6 +59,7 @@ from .errors import (
     StrictLoadError,
     TargetNotWritableError,
     UploadError,
+    UnsafePathError,
     WorldSizeMismatchError,
     WriteFailedError,
     WriterClosedError,
@@ -68,10 +69,13 @@ from .files.verify import VerifyReport
 from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
 from .state.readback import load as _load
+from .files.ramtier import read_first
 
 # A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
-load = accepts_url(_load)
-restore = accepts_url(_restore)
+# A local path the sidecar holds in RAM (persist=False) is read from there first.
+load = accepts_url(read_first(_load))
+restore = accepts_url(read_first(_restore))
+verify = read_first(verify)
 read_checkpoint = accepts_url(read_checkpoint)
 
 __version__ = "0.1.0"
@@ -121,6 +125,7 @@ __all__ = [
     "WriterClosedError",
     "TargetNotWritableError",
     "UploadError",
+    "UnsafePathError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "DistributedSnapshotWriter",

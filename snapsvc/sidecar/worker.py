@@ -193,6 +193,8 @@ class _Sidecar:
         finally:  # uploads get up to remote_timeout after the last message
             if self.later is not None and self.later.remote:
                 self.files().close_uploads()
+            if self.later is not None and self.later.ready():
+                self.files().drop_ram()  # memory-only snapshots live as long as their sidecar
 
     def serve(self) -> None:
         self.report(protocol.READY, pid=os.getpid())
@@ -309,7 +311,8 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     def files() -> Any:
         writes = importlib.import_module(".writes", __package__)
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
-                            options.get("written", ()), remote=remote, report=side.report)
+                            options.get("written", ()), remote=remote, report=side.report,
+                            keep_in_memory=options.get("keep_in_memory", 1))
 
     side.later = _Later(files, remote is not None)
     side.run()

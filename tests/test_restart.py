@@ -1,0 +1,104 @@
+"""The RAM tier (issue 31, item 1): memory-only snapshots and persist_every."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import snapsvc
+from snapsvc.files import ramtier
+from snapsvc.files.metafile import meta_path
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "step": seed}
+
+
+@pytest.mark.timeout(60)
+def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path):
+    path = tmp_path / "step1.fdl"
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        report = w.submit(_state(1), path, persist=False).result(30)
+        assert report.in_memory and report.bytes == 0
+        assert not path.exists() and not os.path.exists(meta_path(path))
+        assert sorted(os.listdir(tmp_path)) == []
+        loaded = snapsvc.load(path)
+        assert torch.equal(loaded["w"], _state(1)["w"]) and loaded["step"] == 1
+        target = {"w": torch.zeros(64, 32), "step": 0}
+        snapsvc.restore(path, target)
+        assert torch.equal(target["w"], _state(1)["w"])
+        assert snapsvc.verify(path).ok
+        ram = ramtier.held(path)
+        assert ram is not None and ram.startswith("/dev/shm/")
+        # the next memory-only snapshot of the series replaces it (keep_in_memory=1)
+        w.submit(_state(2), tmp_path / "step2.fdl", persist=False).result(30)
+        assert ramtier.held(path) is None and ramtier.held(tmp_path / "step2.fdl")
+    # the sidecar has exited: its RAM copies are gone, nothing on disk either
+    assert ramtier.held(tmp_path / "step2.fdl") is None
+    assert sorted(os.listdir(tmp_path)) == []
+    with pytest.raises(FileNotFoundError):
+        snapsvc.load(tmp_path / "step2.fdl")
+
+
+@pytest.mark.timeout(60)
+def test_persist_every_persists_each_kth_submit_per_series(tmp_path):
+    with snapsvc.SnapshotWriter(tmp_path, persist_every=3, keep_in_memory=2) as w:
+        handles = [w.submit(_state(i), tmp_path / f"step{i}.fdl") for i in range(1, 8)]
+        best = w.submit(_state(0), tmp_path / "best.fdl").result(30)  # a series of its own
+        reports = [h.result(30) for h in handles]
+        assert [r.in_memory for r in reports] == [True, True, False, True, True, False, True]
+        assert best.in_memory  # the first of its series
+        on_disk = sorted(p for p in os.listdir(tmp_path) if p.endswith(".fdl"))
+        assert on_disk == ["step3.fdl", "step6.fdl"]
+        # the newest two memory-only ones of the series are held
+        assert [i for i in range(1, 8) if ramtier.held(tmp_path / f"step{i}.fdl")] == [5, 7]
+        assert snapsvc.load(tmp_path / "step7.fdl")["step"] == 7
+
+
+@pytest.mark.timeout(60)
+def test_ram_copy_newer_than_disk_wins_and_a_bad_one_falls_back(tmp_path):
+    path = tmp_path / "last.fdl"
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(_state(1), path).result(30)           # durable
+        w.submit(_state(2), path, persist=False).result(30)   # newer, RAM only
+        assert snapsvc.load(path)["step"] == 2
+        ram = ramtier.held(path)
+        with open(ram, "r+b") as f:  # flip a byte of the RAM copy's tensor data
+            f.seek(os.path.getsize(ram) - 8)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.warns(RuntimeWarning, match="RAM copy .* is bad"):
+            assert snapsvc.load(path)["step"] == 1
+        with pytest.warns(RuntimeWarning, match="RAM copy .* is bad"):
+            assert snapsvc.verify(path).ok
+        # a durable write of the same path makes the RAM copy stale: it goes
+        w.submit(_state(3), path).result(30)
+        assert ramtier.held(path) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert snapsvc.load(path)["step"] == 3
+
+
+def test_foreign_or_symlinked_ram_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(ramtier, "SHM", str(tmp_path))
+    monkeypatch.setattr(ramtier, "ram_root", lambda: str(tmp_path / "root"))
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root")
+    with pytest.raises(snapsvc.UnsafePathError, match="symlink"):
+        ramtier.ram_path(tmp_path / "x.fdl", create=True)
+    os.unlink(tmp_path / "root")
+    (tmp_path / "root").mkdir(mode=0o755)
+    os.chmod(tmp_path / "root", 0o755)
+    with pytest.raises(snapsvc.UnsafePathError, match="mode 755"):
+        ramtier.held(tmp_path / "x.fdl")
+    os.chmod(tmp_path / "root", 0o700)
+    real = os.lstat
+    monkeypatch.setattr(ramtier.os, "lstat", lambda p: os.stat_result(
+        (*real(p)[:4], os.getuid() + 1, *real(p)[5:])))  # faked ownership
+    with pytest.raises(snapsvc.UnsafePathError, match="owned by uid"):
+        ramtier.ram_path(tmp_path / "x.fdl", create=True)
