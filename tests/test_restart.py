@@ -19,7 +19,7 @@ def _state(seed: int) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path):
+def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path, no_leaks):
     path = tmp_path / "step1.fdl"
     with snapsvc.SnapshotWriter(tmp_path) as w:
         report = w.submit(_state(1), path, persist=False).result(30)
@@ -40,12 +40,13 @@ def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path):
     # the sidecar has exited: its RAM copies are gone, nothing on disk either
     assert ramtier.held(tmp_path / "step2.fdl") is None
     assert sorted(os.listdir(tmp_path)) == []
+    assert not os.path.exists(ramtier.ram_root())  # the no_leaks fixture checks /dev/shm too
     with pytest.raises(FileNotFoundError):
         snapsvc.load(tmp_path / "step2.fdl")
 
 
 @pytest.mark.timeout(60)
-def test_persist_every_persists_each_kth_submit_per_series(tmp_path):
+def test_persist_every_persists_each_kth_submit_per_series(tmp_path, no_leaks):
     with snapsvc.SnapshotWriter(tmp_path, persist_every=3, keep_in_memory=2) as w:
         handles = [w.submit(_state(i), tmp_path / f"step{i}.fdl") for i in range(1, 8)]
         best = w.submit(_state(0), tmp_path / "best.fdl").result(30)  # a series of its own
@@ -60,7 +61,7 @@ def test_persist_every_persists_each_kth_submit_per_series(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_ram_copy_newer_than_disk_wins_and_a_bad_one_falls_back(tmp_path):
+def test_ram_copy_newer_than_disk_wins_and_a_bad_one_falls_back(tmp_path, no_leaks):
     path = tmp_path / "last.fdl"
     with snapsvc.SnapshotWriter(tmp_path) as w:
         w.submit(_state(1), path).result(30)           # durable

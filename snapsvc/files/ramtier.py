@@ -85,9 +85,25 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
     full = os.path.abspath(os.fspath(path))
     root = ram_root()
     folder = os.path.join(root, hashlib.sha256(os.path.dirname(full).encode()).hexdigest()[:16])
-    if not _check_private(root, create) or not _check_private(folder, create):
-        return None
-    return os.path.join(folder, os.path.basename(full))
+    for _ in range(3):  # another sidecar's exit may remove an empty root between the two
+        try:
+            if not _check_private(root, create) or not _check_private(folder, create):
+                return None
+            return os.path.join(folder, os.path.basename(full))
+        except FileNotFoundError:
+            continue
+    raise UnsafePathError(f"{folder} kept vanishing while it was made; is something "
+                          f"removing {root}?")
+
+
+def _tidy(ram: str) -> None:
+    """Remove the folders above a dropped RAM copy once empty, so an exited
+    sidecar leaves no /dev/shm entry (a folder still in use stays)."""
+    for folder in (os.path.dirname(ram), ram_root()):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty: another writer's copies, or its folder
+            return
 
 
 def held(path: str | os.PathLike[str]) -> str | None:
@@ -100,12 +116,14 @@ def held(path: str | os.PathLike[str]) -> str | None:
 
 
 def drop(ram: str) -> None:
-    """Remove a RAM copy, metadata first (it vouches for the rest)."""
+    """Remove a RAM copy, metadata first (it vouches for the rest), and its
+    folders once empty."""
     for name in checkpoint_names(ram):
         try:
             os.unlink(name)
         except FileNotFoundError:
             pass
+    _tidy(ram)
 
 
 def read_first(reader: F) -> F:
