@@ -40,7 +40,7 @@ def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path, no_leaks)
     # the sidecar has exited: its RAM copies are gone, nothing on disk either
     assert ramtier.held(tmp_path / "step2.fdl") is None
     assert sorted(os.listdir(tmp_path)) == []
-    assert not os.path.exists(ramtier.ram_root())  # the no_leaks fixture checks /dev/shm too
+    assert ramtier.ram_path(tmp_path / "x") is None  # its folder is gone (no_leaks: the root)
     with pytest.raises(FileNotFoundError):
         snapsvc.load(tmp_path / "step2.fdl")
 
@@ -103,3 +103,92 @@ def test_foreign_or_symlinked_ram_dir_is_refused(tmp_path, monkeypatch):
         (*real(p)[:4], os.getuid() + 1, *real(p)[5:])))  # faked ownership
     with pytest.raises(snapsvc.UnsafePathError, match="owned by uid"):
         ramtier.ram_path(tmp_path / "x.fdl", create=True)
+
+
+# -- linger: a sidecar outlives its SIGKILLed trainer --------------------------
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from snapsvc.files import rendezvous  # noqa: E402
+
+_TRAINER = """
+import os, signal, sys, torch, snapsvc
+w = snapsvc.SnapshotWriter(sys.argv[1], linger=float(sys.argv[2]), persist_every=10)
+state = {"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(0)), "step": 0}
+for step in range(1, 4):  # all memory-only: persist_every=10
+    state["w"].add_(1)
+    state["step"] = step
+    w.submit(state, f"step{step}.fdl").result(30)
+print(w.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_trainer(directory, linger: float) -> int:
+    """Run a trainer that SIGKILLs itself after three memory-only snapshots; its sidecar's pid."""
+    out, err = directory / "trainer.out", directory / "trainer.err"
+    with open(out, "w") as o, open(err, "w") as e:  # files: the sidecar outlives the trainer
+        code = subprocess.run([sys.executable, "-c", _TRAINER, str(directory), str(linger)],
+                              stdout=o, stderr=e, timeout=60).returncode
+    assert code == -signal.SIGKILL, err.read_text()
+    return int(out.read_text().split()[-1])
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _socket(directory) -> str | None:
+    path = rendezvous.socket_path(str(directory))
+    return path if path is not None and os.path.exists(path) else None
+
+
+@pytest.mark.timeout(90)
+def test_new_trainer_attaches_and_restores_a_memory_only_snapshot_bit_exact(tmp_path):
+    pid = _killed_trainer(tmp_path, linger=30)
+    path = tmp_path / "step3.fdl"
+    expected = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        expected.add_(1)  # as the trainer did, rounding included
+    assert not path.exists() and not os.path.exists(meta_path(path))  # never on disk
+    deadline = time.monotonic() + 20
+    while _socket(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _socket(tmp_path) is not None and not _gone(pid, 0)
+    assert torch.equal(snapsvc.load(path)["w"], expected)  # readable while it lingers
+    with snapsvc.SnapshotWriter(tmp_path, linger=30) as w:
+        assert w.attached is not None and w.attached.pid == pid
+        assert w.attached.held == [str(path)] and w.attached.failures == []
+        assert _gone(pid, 20) and _socket(tmp_path) is None  # it handed over and left
+        target = {"w": torch.zeros(256, 256), "step": 0}
+        snapsvc.restore(path, target)
+        assert torch.equal(target["w"], expected) and snapsvc.load(path)["step"] == 3
+        # the new sidecar holds it now, and rotates it as its own
+        w.submit({"w": expected, "step": 4}, tmp_path / "step4.fdl", persist=False).result(30)
+        assert ramtier.held(path) is None and ramtier.held(tmp_path / "step4.fdl")
+    # a clean close ends it: nothing lingers, nothing is held
+    assert _socket(tmp_path) is None and ramtier.held(tmp_path / "step4.fdl") is None
+    assert ramtier.ram_path(tmp_path / "x") is None  # the directory's RAM folder is gone
+
+
+@pytest.mark.timeout(60)
+def test_linger_expiry_leaves_no_process_shm_entry_or_socket(tmp_path):
+    pid = _killed_trainer(tmp_path, linger=1.0)
+    assert _gone(pid, 30)
+    assert _socket(tmp_path) is None
+    assert ramtier.held(tmp_path / "step3.fdl") is None
+    assert ramtier.ram_path(tmp_path / "x") is None  # the directory's RAM folder is gone
+    with snapsvc.SnapshotWriter(tmp_path) as w:  # nothing to attach to
+        w.start()
+        assert w.attached is None

@@ -21,6 +21,7 @@ from ..files.ramtier import series
 from ..remote.store import check_remote, remote_key
 from ..format import protocol
 from ..state.tree import check_plain
+from .attach import AttachReport
 from .book import Book
 from .copier import Copier
 from .dispatch import Dispatcher
@@ -49,6 +50,7 @@ _OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_slot_bytes": (lambda v: v is None or v >= 1, ">= 1 or None"),
     "persist_every": (lambda v: v is None or v >= 1, ">= 1 or None"),
     "keep_in_memory": (lambda v: v >= 1, ">= 1"),
+    "linger": (lambda v: v >= 0, ">= 0 (seconds)"),
 }
 
 
@@ -105,6 +107,10 @@ class SnapshotWriter:
             per writer) and keep the others memory-only, as ``submit(persist=False)``.
         keep_in_memory: memory-only snapshots the sidecar holds per series (the
             newest; :mod:`snapsvc.files.ramtier`).
+        linger: seconds a sidecar whose trainer died without :meth:`close` stays,
+            its queue written, holding its RAM copies for the next writer of this
+            directory, which takes them over at start (``writer.attached``,
+            :mod:`snapsvc.sidecar.linger`). A clean close ends it as with 0.
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -120,11 +126,12 @@ class SnapshotWriter:
                  remote: str | os.PathLike[str] | None = None,
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
                  remote_options: Mapping[str, Any] | None = None,
-                 persist_every: int | None = None, keep_in_memory: int = 1) -> None:
+                 persist_every: int | None = None, keep_in_memory: int = 1,
+                 linger: float = 0.0) -> None:
         _check_options(slots=slots, policy=policy, keep_last=keep_last,
                        compress_level=compress_level, nice=nice, incremental=incremental,
                        max_slot_bytes=max_slot_bytes, persist_every=persist_every,
-                       keep_in_memory=keep_in_memory)
+                       keep_in_memory=keep_in_memory, linger=linger)
         self.persist_every = persist_every
         self._counts: dict[tuple[str, str], int] = {}  # persist_every: submits per series
         self.directory = os.path.abspath(directory) if directory is not None else None
@@ -140,7 +147,8 @@ class SnapshotWriter:
                    "fault_hook": fault_hook, "remote": self.remote, "directory": self.directory,
                    "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,
                    "remote_options": dict(remote_options or {}),
-                   "keep_in_memory": keep_in_memory}
+                   "keep_in_memory": keep_in_memory, "linger": float(linger)}
+        self.attached: AttachReport | None = None  # set at start: see AttachReport
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
         self._book = Book(self._on_reader, keep_last=keep_last is not None,
                           remote=self.remote is not None)

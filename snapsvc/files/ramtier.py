@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 from ..errors import SnapsvcError, UnsafePathError
 from .metafile import checkpoint_names, meta_path
 
-__all__ = ["ram_root", "ram_path", "held", "read_first", "drop", "series"]
+__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series"]
 
 log = logging.getLogger("snapsvc")
 
@@ -49,7 +49,7 @@ def series(path: str) -> tuple[str, str]:
     return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
 
 
-def _check_private(path: str, create: bool) -> bool:
+def check_private(path: str, create: bool) -> bool:
     """``path`` is a real directory of ours, mode 0700 (made so when ``create``);
     False when missing and not created. Never follows a symlink."""
     try:
@@ -87,7 +87,7 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
     folder = os.path.join(root, hashlib.sha256(os.path.dirname(full).encode()).hexdigest()[:16])
     for _ in range(3):  # another sidecar's exit may remove an empty root between the two
         try:
-            if not _check_private(root, create) or not _check_private(folder, create):
+            if not check_private(root, create) or not check_private(folder, create):
                 return None
             return os.path.join(folder, os.path.basename(full))
         except FileNotFoundError:

@@ -54,11 +54,16 @@ class Files:
 
     def __init__(self, keep_last: int | None, compress_level: int | None,
                  written: Any = (), remote: dict[str, Any] | None = None,
-                 report: Callable[..., None] | None = None, keep_in_memory: int = 1) -> None:
+                 report: Callable[..., None] | None = None, keep_in_memory: int = 1,
+                 held: Any = ()) -> None:
         self.keep_last = keep_last
-        # the RAM tier: series -> RAM copies this sidecar holds, oldest first
+        # the RAM tier: series -> RAM copies this sidecar holds, oldest first; their paths
         self.keep_in_memory = keep_in_memory
         self.in_ram: dict[tuple[str, str], list[str]] = {}
+        self.origin: dict[str, str] = {}
+        for path, ram in held:  # what a lingering sidecar handed over
+            self.in_ram.setdefault(_series(path), []).append(ram)
+            self.origin[ram] = path
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         for old in written:  # what an earlier sidecar of this writer kept
@@ -143,10 +148,20 @@ class Files:
         if ram in mine:
             mine.remove(ram)
         mine.append(ram)
+        self.origin[ram] = path
         for old in mine[:-self.keep_in_memory]:
             mine.remove(old)
+            del self.origin[old]
             drop(old)
         return []
+
+    def held(self) -> list[list[str]]:
+        """[path, RAM copy] of every memory-only snapshot held, oldest first per series."""
+        return [[self.origin[ram], ram] for mine in self.in_ram.values() for ram in mine]
+
+    def written_files(self) -> list[str]:
+        """The files keep_last still rotates, oldest first per series."""
+        return [p for mine in self.written.values() for p in mine]
 
     def forget_ram(self, path: str) -> None:
         """``path`` was written to disk: a RAM copy of it, now older, goes."""
@@ -154,6 +169,7 @@ class Files:
         ram = ram_path(path)
         if ram is not None and ram in mine:
             mine.remove(ram)
+            del self.origin[ram]
             drop(ram)
 
     def drop_ram(self) -> None:
@@ -162,6 +178,7 @@ class Files:
             for ram in mine:
                 drop(ram)
         self.in_ram.clear()
+        self.origin.clear()
 
     def rotate(self, mine: list[str], trash: list[str]) -> list[str]:
         """Remove the files of a series beyond the newest ``keep_last``, except
