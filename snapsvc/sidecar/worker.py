@@ -202,7 +202,8 @@ class _Sidecar:
         finally:  # uploads get up to remote_timeout after the last message
             if self.later is not None and self.later.remote:
                 self.files().close_uploads()
-            if not handed and self.later is not None and self.later.ready():
+            if not handed and self.later is not None and (self.later.ready()
+                                                          or options.get("held")):
                 self.files().drop_ram()  # held as long as this sidecar, or its successor
 
     def serve(self) -> None:

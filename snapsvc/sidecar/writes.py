@@ -225,7 +225,7 @@ class Files:
             dest = path
         optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
         if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
-            os.umask(msg["umask"])
+            os.umask(msg["umask"] | (0o077 if ram else 0))  # RAM copies: 0600, as shared memory
         try:
             with self.lock:
                 stats = write_with_meta(dest, enc.model, meta,
