@@ -36,6 +36,7 @@ from .files.convert import (
     write_safetensors,
 )
 from .engine.writer import SnapshotWriter, WriteHandle, WriteReport
+from .engine.attach import AttachReport
 from .distributed import (
     DistributedSnapshotWriter,
     DistributedWriteHandle,
@@ -98,6 +99,7 @@ __all__ = [
     "SnapshotWriter",
     "WriteHandle",
     "WriteReport",
+    "AttachReport",
     "verify",
     "VerifyReport",
     "convert_file",

@@ -47,6 +47,17 @@ def test_memory_only_submit_is_read_from_ram_and_not_on_disk(tmp_path, no_leaks)
 
 
 @pytest.mark.timeout(60)
+def test_a_ram_copy_read_the_wrong_way_names_its_own_error(tmp_path):
+    """No disk copy to fall back to: the RAM copy's error, not 'no such checkpoint'."""
+    model = torch.nn.Linear(4, 4)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(model, "m.fdl", persist=False).result(30)
+        with pytest.raises(snapsvc.FormatError, match="submitted as a model"):
+            snapsvc.load(tmp_path / "m.fdl")
+        snapsvc.restore(tmp_path / "m.fdl", torch.nn.Linear(4, 4))
+
+
+@pytest.mark.timeout(60)
 def test_persist_every_persists_each_kth_submit_per_series(tmp_path, no_leaks):
     with snapsvc.SnapshotWriter(tmp_path, persist_every=3, keep_in_memory=2) as w:
         handles = [w.submit(_state(i), tmp_path / f"step{i}.fdl") for i in range(1, 8)]

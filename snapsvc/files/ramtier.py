@@ -139,6 +139,8 @@ def read_first(reader: F) -> F:
         try:
             result = reader(ram, *args, **kwargs)
         except (SnapsvcError, ValueError, OSError) as e:
+            if not any(os.path.exists(p) for p in (path, meta_path(path))):
+                raise  # no disk copy to fall back to: the RAM copy's own error says why
             warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({e}); "
                           "reading it from disk instead", RuntimeWarning, stacklevel=2)
             return reader(path, *args, **kwargs)
