@@ -70,7 +70,7 @@ from .files.verify import VerifyReport
 from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
 from .state.readback import load as _load
-from .files.ramtier import read_first
+from .files.ramtier import latest, read_first
 
 # A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
 # A local path the sidecar holds in RAM (persist=False) is read from there first.
@@ -100,6 +100,7 @@ __all__ = [
     "WriteHandle",
     "WriteReport",
     "AttachReport",
+    "latest",
     "verify",
     "VerifyReport",
     "convert_file",

@@ -97,6 +97,23 @@ def test_ram_copy_newer_than_disk_wins_and_a_bad_one_falls_back(tmp_path, no_lea
             assert snapsvc.load(path)["step"] == 3
 
 
+@pytest.mark.timeout(60)
+def test_latest_sees_ram_disk_and_a_mounted_remote(tmp_path):
+    d, far = tmp_path / "ckpt", tmp_path / "far"
+    far.mkdir()
+    assert snapsvc.latest(d) is None
+    with snapsvc.SnapshotWriter(d, persist_every=2) as w:
+        for i in range(1, 4):  # step2 on disk, step3 in RAM
+            w.submit(_state(i), f"step{i}.fdl").result(30)
+        (d / "step9.fdl").write_bytes(b"torn")  # no .meta: incomplete, never the answer
+        assert snapsvc.latest(d) == str(d / "step3.fdl")
+        assert snapsvc.load(snapsvc.latest(d))["step"] == 3
+        for suffix in ("", ".meta"):  # a newer step on the mounted remote tier
+            (far / f"step5.fdl{suffix}").write_bytes((d / f"step2.fdl{suffix}").read_bytes())
+        assert snapsvc.latest(d, remote=far) == str(far / "step5.fdl")
+    assert snapsvc.latest(d) == str(d / "step2.fdl")  # the RAM copy went with its sidecar
+
+
 def test_foreign_or_symlinked_ram_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(ramtier, "SHM", str(tmp_path))
     monkeypatch.setattr(ramtier, "ram_root", lambda: str(tmp_path / "root"))
