@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout
+
 TRAINER = """
 import os, signal, sys, torch, snapsvc
 d, mib = sys.argv[1], int(sys.argv[2])

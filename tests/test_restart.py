@@ -218,3 +218,15 @@ def test_linger_expiry_leaves_no_process_shm_entry_or_socket(tmp_path):
     with snapsvc.SnapshotWriter(tmp_path) as w:  # nothing to attach to
         w.start()
         assert w.attached is None
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_ends_a_lingering_sidecar_leaving_nothing(tmp_path):
+    pid = _killed_trainer(tmp_path, linger=60)
+    deadline = time.monotonic() + 20
+    while _socket(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ramtier.held(tmp_path / "step3.fdl") is not None
+    os.kill(pid, signal.SIGTERM)
+    assert _gone(pid, 20)
+    assert _socket(tmp_path) is None and ramtier.ram_path(tmp_path / "x") is None

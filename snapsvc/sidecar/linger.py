@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import stat
+import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -64,6 +66,8 @@ def linger(files: Any, directory: str, seconds: float, failures: list[dict[str, 
     if server is None:
         return False
     deadline = time.monotonic() + seconds
+    # a SIGTERM (docker stop, a job's end) unwinds: the socket and the RAM copies go
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log.warning("the trainer is gone; lingering %.0f s on %s for the next one", seconds, path)
     try:
         while (left := deadline - time.monotonic()) > 0:
