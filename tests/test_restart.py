@@ -208,6 +208,34 @@ def test_new_trainer_attaches_and_restores_a_memory_only_snapshot_bit_exact(tmp_
     assert ramtier.ram_path(tmp_path / "x") is None  # the directory's RAM folder is gone
 
 
+_FAILING = """
+import functools, os, signal, sys, snapsvc, torch, hooks
+d = sys.argv[1]
+w = snapsvc.SnapshotWriter(d, linger=30, fault_hook=functools.partial(hooks.fail_late, 1.0))
+open(os.path.join(d, hooks.FLAG), "w").close()
+w.submit({"w": torch.ones(4)}, "bad.fdl")  # fails a second later, the trainer gone
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_failed_while_detached_is_reported_at_attach(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    code = subprocess.run([sys.executable, "-c", _FAILING, str(tmp_path)], env=env,
+                          cwd=os.path.dirname(__file__), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, timeout=60).returncode
+    assert code == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while _socket(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.start()
+        assert w.attached is not None
+        [(path, error)] = w.attached.failures
+        assert path == str(tmp_path / "bad.fdl") and "No space left" in error
+    assert not (tmp_path / "bad.fdl").exists()
+
+
 @pytest.mark.timeout(60)
 def test_linger_expiry_leaves_no_process_shm_entry_or_socket(tmp_path):
     pid = _killed_trainer(tmp_path, linger=1.0)
