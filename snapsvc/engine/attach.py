@@ -1,14 +1,17 @@
-"""Attaching a new writer to a sidecar that lingers after its trainer died."""
+"""The restart tier on the trainer's side: attaching a new writer to a sidecar
+that lingers after its trainer died, and ``persist_every``'s count."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from ..errors import UnsafePathError
+from ..files.ramtier import series
 from ..files.rendezvous import attach
 
-__all__ = ["AttachReport", "take_over"]
+__all__ = ["AttachReport", "Cadence", "take_over"]
 
 log = logging.getLogger("snapsvc")
 
@@ -48,3 +51,20 @@ def take_over(directory: str, linger: float, options: dict) -> AttachReport | No
     for path, error in report.failures:
         log.error("while no trainer was attached, writing %s failed: %s", path, error)
     return report
+
+
+class Cadence:
+    """``persist_every``: which submits of each series are persisted (the K-th, 2K-th, ...)."""
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+        self._counts: dict[tuple[str, str], int] = {}  # submits per series, this writer's
+        self._lock = threading.Lock()
+
+    def persist(self, path: str) -> bool:
+        if self.every is None:
+            return True
+        key = series(path)
+        with self._lock:
+            n = self._counts[key] = self._counts.get(key, 0) + 1
+        return n % self.every == 0

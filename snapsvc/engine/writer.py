@@ -17,11 +17,10 @@ import torch
 from torch import nn
 
 from ..errors import PathError, UnsafeCallError
-from ..files.ramtier import series
 from ..remote.store import check_remote, remote_key
 from ..format import protocol
 from ..state.tree import check_plain
-from .attach import AttachReport
+from .attach import AttachReport, Cadence
 from .book import Book
 from .copier import Copier
 from .dispatch import Dispatcher
@@ -133,7 +132,7 @@ class SnapshotWriter:
                        max_slot_bytes=max_slot_bytes, persist_every=persist_every,
                        keep_in_memory=keep_in_memory, linger=linger)
         self.persist_every = persist_every
-        self._counts: dict[tuple[str, str], int] = {}  # persist_every: submits per series
+        self._cadence = Cadence(persist_every)
         self.directory = os.path.abspath(directory) if directory is not None else None
         self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
                                    remote_options)
@@ -219,17 +218,14 @@ class SnapshotWriter:
         ``"block"`` may wait for a free slot (``TimeoutError``). Everything
         that can be refused is refused before a slot is taken.
 
-        ``persist=False``: the sidecar holds the snapshot in RAM under ``path``
-        (:mod:`snapsvc.files.ramtier`) and writes nothing to disk or remote;
-        ``handle.result()`` then means "held in RAM" (``report.in_memory``), and
-        :func:`snapsvc.load`/``restore``/``verify`` of ``path`` read that copy
-        while the sidecar runs. None: as ``persist_every`` says (default: persist).
+        ``persist=False``: held in the sidecar's RAM under ``path``, nothing written
+        (``report.in_memory``; :mod:`snapsvc.files.ramtier`); None: as ``persist_every`` says.
         """
         started = time.monotonic()
         self._check_caller("submit")
         path = self._resolve(path, optimizer=optimizer is not None)
         if persist is None:
-            persist = self._persist_now(path)
+            persist = self._cadence.persist(path)
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics
@@ -264,15 +260,6 @@ class SnapshotWriter:
                 if book.closed and not book.active:  # close() timed out while we copied
                     self._pools.clear()
                 book.cond.notify_all()
-
-    def _persist_now(self, path: str) -> bool:
-        """persist_every: is this submit of ``path``'s series the K-th, 2K-th, ...?"""
-        if self.persist_every is None:
-            return True
-        key = series(path)
-        with self._book.cond:
-            n = self._counts[key] = self._counts.get(key, 0) + 1
-        return n % self.persist_every == 0
 
     def _upload_durable(self, path: str | os.PathLike[str]) -> WriteHandle:
         """Upload the checkpoint ``path`` (under ``directory``), durable already,
