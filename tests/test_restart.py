@@ -237,8 +237,9 @@ def test_a_write_that_failed_while_detached_is_reported_at_attach(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_linger_expiry_leaves_no_process_shm_entry_or_socket(tmp_path):
-    pid = _killed_trainer(tmp_path, linger=1.0)
+@pytest.mark.parametrize("linger", [0.0, 1.0])  # 0: as before linger existed, no wait at all
+def test_linger_expiry_leaves_no_process_shm_entry_or_socket(tmp_path, linger):
+    pid = _killed_trainer(tmp_path, linger=linger)
     assert _gone(pid, 30)
     assert _socket(tmp_path) is None
     assert ramtier.held(tmp_path / "step3.fdl") is None
