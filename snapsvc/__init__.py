@@ -36,6 +36,7 @@ from .files.convert import (
     write_safetensors,
 )
 from .engine.writer import SnapshotWriter, WriteHandle, WriteReport
+from .engine.attach import AttachReport
 from .distributed import (
     DistributedSnapshotWriter,
     DistributedWriteHandle,
@@ -59,6 +60,7 @@ from .errors import (
     StrictLoadError,
     TargetNotWritableError,
     UploadError,
+    UnsafePathError,
     WorldSizeMismatchError,
     WriteFailedError,
     WriterClosedError,
@@ -68,10 +70,13 @@ from .files.verify import VerifyReport
 from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
 from .state.readback import load as _load
+from .files.ramtier import latest, read_first
 
 # A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
-load = accepts_url(_load)
-restore = accepts_url(_restore)
+# A local path the sidecar holds in RAM (persist=False) is read from there first.
+load = accepts_url(read_first(_load))
+restore = accepts_url(read_first(_restore))
+verify = read_first(verify)
 read_checkpoint = accepts_url(read_checkpoint)
 
 __version__ = "0.1.0"
@@ -94,6 +99,8 @@ __all__ = [
     "SnapshotWriter",
     "WriteHandle",
     "WriteReport",
+    "AttachReport",
+    "latest",
     "verify",
     "VerifyReport",
     "convert_file",
@@ -121,6 +128,7 @@ __all__ = [
     "WriterClosedError",
     "TargetNotWritableError",
     "UploadError",
+    "UnsafePathError",
     "DistributedCheckpointError",
     "WorldSizeMismatchError",
     "DistributedSnapshotWriter",

@@ -27,6 +27,7 @@ __all__ = [
     "TargetNotWritableError",
     "WriterClosedError",
     "UploadError",
+    "UnsafePathError",
 ]
 
 
@@ -181,3 +182,9 @@ class UploadError(SnapsvcError):
         self.path = path
         self.url = url
         self.skipped = skipped
+
+
+class UnsafePathError(SnapsvcError, PermissionError):
+    """A directory snapsvc keeps private state in (the RAM tier under
+    ``/dev/shm``) is a symlink, is owned by another user, or is open to others:
+    refused, never followed. The message names the path and the fix."""

@@ -78,3 +78,11 @@ def hold(flag: str, marker: str, stage: str, path: str) -> None:
         while not os.path.exists(os.path.join(os.path.dirname(path), flag)) \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def fail_late(seconds: float, stage: str, path: str) -> None:
+    """While armed: wait ``seconds`` at "open", then fail with ENOSPC (a write that
+    fails after a trainer that did not wait for it has died)."""
+    if stage == "open" and _armed(path) and not _is_meta(path):
+        time.sleep(seconds)
+        raise OSError(28, os.strerror(28), path)

@@ -123,12 +123,13 @@ class Book:
             p.slot.seq = None
             ok = msg["ok"]
             skipped = ok and msg.get("superseded", False)
+            ram = ok and not skipped and msg.get("ram", False)  # memory-only: no file, no upload
             self.counts["skipped" if skipped else "written" if ok else "failed"] += 1
             self.counts["bytes"] += msg.get("bytes", 0) if ok else 0
-            if self.kept is not None and ok and not skipped:
+            if self.kept is not None and ok and not skipped and not ram:
                 gone = {msg["path"], *msg.get("removed", ())}
                 self.kept = [k for k in self.kept if k not in gone] + [msg["path"]]
-            if self.remote and ok and not skipped:  # its outcome comes in an UPLOADED report
+            if self.remote and ok and not skipped and not ram:  # outcome: an UPLOADED report
                 self.uploading[msg["seq"]] = (p.handle, p.gen)
             self.cond.notify_all()
         if ok:
@@ -138,7 +139,10 @@ class Book:
                 queue_s=msg["queue_s"],
                 encode_s=msg.get("encode_s", 0.0), write_s=msg.get("write_s", 0.0),
                 fsync_s=msg.get("fsync_s", 0.0), total_s=time.monotonic() - p.started,
-                seq=msg["seq"]))
+                seq=msg["seq"], in_memory=ram))
+            if ram and self.remote:
+                p.handle.fail_upload("a memory-only snapshot (persist=False) is not uploaded",
+                                     skipped=True)
         else:
             p.handle._future.set_exception(WriteFailedError(
                 msg["errno"] or 0, f"{msg['error']} (writing checkpoint)", msg["filename"]))

@@ -46,7 +46,8 @@ class Dispatcher:
         self._order = threading.Lock()
 
     def stage(self, pool: Pool, sources: list[torch.Tensor], plan: Plan | None, path: str,
-              body: bytes, started: float, timeout: float | None) -> WriteHandle:
+              body: bytes, started: float, timeout: float | None,
+              persist: bool = True) -> WriteHandle:
         """Take a slot, copy into it, book the write and send it (or have the copier send it)."""
         book = self.book
         gen = self.broker.register(pool, timeout)
@@ -77,6 +78,8 @@ class Dispatcher:
             seq = book.add(slot, path, started, stage_s, gen, slot_wait_s)
             handle = book.pending[seq].handle
         msg = {"path": path, "body": body, "umask": current_umask()}  # the files' mode of now
+        if not persist:  # the sidecar holds it in the RAM tier (snapsvc.files.ramtier)
+            msg["ram"] = True
         if rest is None:
             self.send(slot, seq, msg)
         else:

@@ -32,6 +32,7 @@ class WriteReport:
     fsync_s: float = 0.0    # fsyncs of file, metadata and directory
     total_s: float = 0.0    # submit() called -> report received
     seq: int = 0
+    in_memory: bool = False  # persist=False: held in the sidecar's RAM, not on disk
 
 
 def _never() -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..files.durable import remove_stale_temps
 from ..format import protocol
+from .attach import take_over
 from .book import Book
 from .copier import Copier
 from .link import Sidecar
@@ -81,7 +82,14 @@ class Life:
             with book.cond:
                 if book.kept is not None:
                     self.options["written"] = list(book.kept)
+            if not started and self.owner.directory is not None:  # the first start only
+                self.owner.attached = take_over(self.owner.directory,
+                                                self.options.get("linger", 0.0), self.options)
+                if self.owner.attached is not None and book.kept is not None:
+                    with book.cond:
+                        book.kept = list(self.options["written"])
             self.sidecar.start()
+            self.options.pop("held", None)  # the first sidecar owns them now
             with book.cond:
                 book.broken = None
                 if broken is not None:

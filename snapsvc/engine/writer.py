@@ -20,6 +20,7 @@ from ..errors import PathError, UnsafeCallError
 from ..remote.store import check_remote, remote_key
 from ..format import protocol
 from ..state.tree import check_plain
+from .attach import AttachReport, Cadence
 from .book import Book
 from .copier import Copier
 from .dispatch import Dispatcher
@@ -46,6 +47,9 @@ _OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "nice": (lambda v: v is None or 0 <= v <= 19, "0..19 or None"),
     "incremental": (lambda v: v in (False, True, "check"), "False, True or 'check'"),
     "max_slot_bytes": (lambda v: v is None or v >= 1, ">= 1 or None"),
+    "persist_every": (lambda v: v is None or v >= 1, ">= 1 or None"),
+    "keep_in_memory": (lambda v: v >= 1, ">= 1"),
+    "linger": (lambda v: v >= 0, ">= 0 (seconds)"),
 }
 
 
@@ -98,6 +102,14 @@ class SnapshotWriter:
             how long :meth:`close` waits for uploads.
         remote_options: passed to obstore's ``from_url`` (and to the boto3 client
             that aborts leftover multipart uploads); checked here.
+        persist_every: persist the K-th, 2K-th, ... submit of each series (counted
+            per writer) and keep the others memory-only, as ``submit(persist=False)``.
+        keep_in_memory: memory-only snapshots the sidecar holds per series (the
+            newest; :mod:`snapsvc.files.ramtier`).
+        linger: seconds a sidecar whose trainer died without :meth:`close` stays,
+            its queue written, holding its RAM copies for the next writer of this
+            directory, which takes them over at start (``writer.attached``,
+            :mod:`snapsvc.sidecar.linger`). A clean close ends it as with 0.
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -112,10 +124,15 @@ class SnapshotWriter:
                  fault_hook: Callable[[str, str], None] | None = None,
                  remote: str | os.PathLike[str] | None = None,
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
-                 remote_options: Mapping[str, Any] | None = None) -> None:
+                 remote_options: Mapping[str, Any] | None = None,
+                 persist_every: int | None = None, keep_in_memory: int = 1,
+                 linger: float = 0.0) -> None:
         _check_options(slots=slots, policy=policy, keep_last=keep_last,
                        compress_level=compress_level, nice=nice, incremental=incremental,
-                       max_slot_bytes=max_slot_bytes)
+                       max_slot_bytes=max_slot_bytes, persist_every=persist_every,
+                       keep_in_memory=keep_in_memory, linger=linger)
+        self.persist_every = persist_every
+        self._cadence = Cadence(persist_every)
         self.directory = os.path.abspath(directory) if directory is not None else None
         self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
                                    remote_options)
@@ -128,7 +145,9 @@ class SnapshotWriter:
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
                    "fault_hook": fault_hook, "remote": self.remote, "directory": self.directory,
                    "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,
-                   "remote_options": dict(remote_options or {})}
+                   "remote_options": dict(remote_options or {}),
+                   "keep_in_memory": keep_in_memory, "linger": float(linger)}
+        self.attached: AttachReport | None = None  # set at start: see AttachReport
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
         self._book = Book(self._on_reader, keep_last=keep_last is not None,
                           remote=self.remote is not None)
@@ -184,7 +203,8 @@ class SnapshotWriter:
     def submit(self, model_or_state: nn.Module | Mapping[Any, Any] | ModelSnapshot,
                path: str | os.PathLike[str], *, metrics: Mapping[str, float] | None = None,
                epoch: int | None = None, optimizer: torch.optim.Optimizer | None = None,
-               extra: Any = None, timeout: float | None = None) -> WriteHandle:
+               extra: Any = None, timeout: float | None = None,
+               persist: bool | None = None) -> WriteHandle:
         """Stage a snapshot into a slot and queue it; return once the copy is done.
 
         ``model_or_state`` is a model, a :class:`ModelSnapshot`, or a mapping
@@ -197,10 +217,15 @@ class SnapshotWriter:
         numbers) stored in the metadata. ``timeout``: how long policy
         ``"block"`` may wait for a free slot (``TimeoutError``). Everything
         that can be refused is refused before a slot is taken.
+
+        ``persist=False``: held in the sidecar's RAM under ``path``, nothing written
+        (``report.in_memory``; :mod:`snapsvc.files.ramtier`); None: as ``persist_every`` says.
         """
         started = time.monotonic()
         self._check_caller("submit")
         path = self._resolve(path, optimizer=optimizer is not None)
+        if persist is None:
+            persist = self._cadence.persist(path)
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics
@@ -226,7 +251,8 @@ class SnapshotWriter:
             body = pack_body(path, pool.buffer_bytes, req.plain, epoch=epoch,
                              metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
                              extra_state=req.extra_state)
-            return self._dispatch.stage(pool, sources, plan, path, body, started, timeout)
+            return self._dispatch.stage(pool, sources, plan, path, body, started, timeout,
+                                        persist)
         finally:
             with book.cond:
                 book.active -= 1

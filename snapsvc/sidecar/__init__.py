@@ -19,7 +19,9 @@
 What each module holds::
 
     worker.py   the process's loop: READY, slots, claims, messages in order
-    writes.py   its writing half: a slot's encoders, the durable write, keep_last
+    writes.py   its writing half: a slot's encoders, the durable write, keep_last,
+                the RAM tier's copies (persist=False, keep_in_memory)
+    linger.py   after the trainer died (linger > 0): wait for the next one to take over
 
 Imports: ``remote``, ``files``, ``format`` and ``errors``, none of which
 imports torch; nothing above it. The trainer's side never imports this

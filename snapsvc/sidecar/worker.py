@@ -101,6 +101,8 @@ class _Sidecar:
         self.slots: dict[int, _Slot] = {}
         self.parent = os.getppid()
         self.reports_lost = False
+        self.orphaned = False  # the trainer died without STOP: linger may apply
+        self.failures: list[dict[str, Any]] = []  # failed writes no trainer heard of
         self._send_lock = threading.Lock()  # the uploader thread reports too
 
     def files(self) -> Any:
@@ -121,6 +123,8 @@ class _Sidecar:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 # The trainer is gone; keep writing what it handed over.
                 self.reports_lost = True
+        if self.reports_lost and op == protocol.DONE and not fields.get("ok", True):
+            self.failures.append({"path": fields["path"], "error": fields.get("error")})
 
     def claim(self, slot: _Slot, seq: int) -> bool:
         with self.lock:
@@ -187,12 +191,20 @@ class _Sidecar:
             log.error("unknown control message %r", op)
         return True
 
-    def run(self) -> None:
+    def run(self, options: dict[str, Any]) -> None:
+        handed = False
         try:
             self.serve()
+            if self.orphaned and options.get("linger") and options.get("directory"):
+                linger = importlib.import_module(".linger", __package__)
+                handed = linger.linger(self.files(), options["directory"], options["linger"],
+                                       self.failures)
         finally:  # uploads get up to remote_timeout after the last message
             if self.later is not None and self.later.remote:
                 self.files().close_uploads()
+            if not handed and self.later is not None and (self.later.ready()
+                                                          or options.get("held")):
+                self.files().drop_ram()  # held as long as this sidecar, or its successor
 
     def serve(self) -> None:
         self.report(protocol.READY, pid=os.getpid())
@@ -202,12 +214,14 @@ class _Sidecar:
             if not self.req.poll(_PARENT_POLL_S):
                 if os.getppid() != self.parent:
                     log.warning("trainer %d is gone; finishing what it handed over", self.parent)
+                    self.orphaned = True
                     self.drain()
                     return
                 continue
             try:
                 data = self.req.recv_bytes()
-            except EOFError:  # the trainer closed its end: every message sent was read
+            except EOFError:  # the trainer closed its end without STOP: it died
+                self.orphaned = True
                 return
             if not self.handle(protocol.unpack(data)):
                 return
@@ -309,7 +323,9 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
     def files() -> Any:
         writes = importlib.import_module(".writes", __package__)
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
-                            options.get("written", ()), remote=remote, report=side.report)
+                            options.get("written", ()), remote=remote, report=side.report,
+                            keep_in_memory=options.get("keep_in_memory", 1),
+                            held=options.get("held", ()))
 
     side.later = _Later(files, remote is not None)
-    side.run()
+    side.run(options)

@@ -14,12 +14,12 @@ import errno as errno_mod
 import logging
 import mmap
 import os
-import re
 import threading
 from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
 from ..files.metafile import Meta, checkpoint_names, data_path, optim_path, write_with_meta
+from ..files.ramtier import drop, ram_path, series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
@@ -29,7 +29,6 @@ __all__ = ["Encoders", "Files"]
 
 log = logging.getLogger("snapsvc.writer")
 
-_DIGITS = re.compile(r"\d+")
 
 
 class Encoders:
@@ -49,19 +48,22 @@ class Encoders:
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
-def _series(path: str) -> tuple[str, str]:
-    """keep_last's series of ``path``: its directory and its name with digits masked."""
-    return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
-
-
 class Files:
     """Writes snapshots durably, rotates what ``keep_last`` drops and, with a
     remote tier, hands each durable checkpoint to the uploader thread."""
 
     def __init__(self, keep_last: int | None, compress_level: int | None,
                  written: Any = (), remote: dict[str, Any] | None = None,
-                 report: Callable[..., None] | None = None) -> None:
+                 report: Callable[..., None] | None = None, keep_in_memory: int = 1,
+                 held: Any = ()) -> None:
         self.keep_last = keep_last
+        # the RAM tier: series -> RAM copies this sidecar holds, oldest first; their paths
+        self.keep_in_memory = keep_in_memory
+        self.in_ram: dict[tuple[str, str], list[str]] = {}
+        self.origin: dict[str, str] = {}
+        for path, ram in held:  # what a lingering sidecar handed over
+            self.in_ram.setdefault(_series(path), []).append(ram)
+            self.origin[ram] = path
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         for old in written:  # what an earlier sidecar of this writer kept
@@ -88,7 +90,7 @@ class Files:
 
     def upload(self, done: dict[str, Any]) -> None:
         """Queue a written checkpoint for upload, after its DONE report."""
-        if self.uploader is None or not done["ok"] or done.get("superseded"):
+        if self.uploader is None or not done["ok"] or done.get("superseded") or done.get("ram"):
             return
         try:
             self.uploader.enqueue(done["seq"], done["path"])
@@ -139,6 +141,45 @@ class Files:
         mine.append(path)
         return self.rotate(mine, trash)
 
+    def hold(self, path: str, ram: str) -> list[str]:
+        """A memory-only snapshot of ``path`` is now held at ``ram``: drop the
+        RAM copies of its series beyond the newest ``keep_in_memory``."""
+        mine = self.in_ram.setdefault(_series(path), [])
+        if ram in mine:
+            mine.remove(ram)
+        mine.append(ram)
+        self.origin[ram] = path
+        for old in mine[:-self.keep_in_memory]:
+            mine.remove(old)
+            del self.origin[old]
+            drop(old)
+        return []
+
+    def held(self) -> list[list[str]]:
+        """[path, RAM copy] of every memory-only snapshot held, oldest first per series."""
+        return [[self.origin[ram], ram] for mine in self.in_ram.values() for ram in mine]
+
+    def written_files(self) -> list[str]:
+        """The files keep_last still rotates, oldest first per series."""
+        return [p for mine in self.written.values() for p in mine]
+
+    def forget_ram(self, path: str) -> None:
+        """``path`` was written to disk: a RAM copy of it, now older, goes."""
+        mine = self.in_ram.get(_series(path), [])
+        ram = ram_path(path)
+        if ram is not None and ram in mine:
+            mine.remove(ram)
+            del self.origin[ram]
+            drop(ram)
+
+    def drop_ram(self) -> None:
+        """At exit: every RAM copy this sidecar holds goes, its memory freed."""
+        for mine in self.in_ram.values():
+            for ram in mine:
+                drop(ram)
+        self.in_ram.clear()
+        self.origin.clear()
+
     def rotate(self, mine: list[str], trash: list[str]) -> list[str]:
         """Remove the files of a series beyond the newest ``keep_last``, except
         those still waiting for their upload (rotated once it has begun)."""
@@ -176,17 +217,25 @@ class Files:
                     structural_hash=enc.layout.structural_hash or None,
                     extra=body.get("extra"), optimizer=body.get("optim"),
                     state=body.get("state"), extra_state=body.get("extra_state"))
-        optim = (optim_path(path), enc.optim) if meta.optimizer is not None else None
+        ram = msg.get("ram", False)
+        if ram:  # memory-only: the same files, under the RAM tier's mirror of the path
+            dest = ram_path(path, create=True)
+            assert dest is not None
+        else:
+            dest = path
+        optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
         if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
-            os.umask(msg["umask"])
+            os.umask(msg["umask"] | (0o077 if ram else 0))  # RAM copies: 0600, as shared memory
         try:
             with self.lock:
-                stats = write_with_meta(path, enc.model, meta,
+                stats = write_with_meta(dest, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,
                                         data=enc.data, trash=trash)
                 if enc.data is None:  # a data file an older checkpoint of this name left
-                    self.discard(data_path(path), trash)
-                removed = self.prune(path, trash)
+                    self.discard(data_path(dest), trash)
+                removed = self.hold(path, dest) if ram else self.prune(path, trash)
+                if not ram and self.in_ram:
+                    self.forget_ram(path)
         except OSError as e:
             log.error("writing %s failed: %s", path, e)
             detail = e.strerror or str(e)
@@ -198,6 +247,7 @@ class Files:
             log.exception("writing %s failed", path)
             return {**base, "ok": False, "errno": None, "error": f"{type(e).__name__}: {e}",
                     "filename": path}
-        return {**base, "ok": True, "superseded": False, "bytes": stats.bytes,
+        return {**base, "ok": True, "superseded": False, "ram": ram,
+                "bytes": 0 if ram else stats.bytes,
                 "entries": enc.model.count, "encode_s": stats.encode_s,
                 "write_s": stats.write_s, "fsync_s": stats.fsync_s, "removed": removed}

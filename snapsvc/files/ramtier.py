@@ -1,0 +1,202 @@
+"""The RAM tier: memory-only snapshots, held in tmpfs beside the sidecar.
+
+A snapshot submitted with ``persist=False`` is written by the sidecar, as
+any other, but under a private mirror of its directory in ``/dev/shm``
+(RAM, never a disk) instead of under its own path: the same files, the same
+metadata with its CRC-32s, so a read checks it exactly as it checks a disk
+copy. The trainer's submit is unchanged (the slot copy); only where the
+sidecar writes differs.
+
+Layout: ``/dev/shm/snapsvc-<uid>/`` (mode 0700, owned by the user; a
+symlink or a foreign owner is refused with :class:`UnsafePathError`), then one
+folder per checkpoint directory, named by a hash of its absolute path, holding
+the checkpoint's files under their own names. The sidecar that wrote them
+removes them when it exits: a RAM copy lives as long as its writer.
+
+Reads (:func:`read_first`) try the RAM copy of a path first and fall back to
+the disk when there is none or it is bad (reported with a warning).
+No torch here: the sidecar imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import stat
+import warnings
+from typing import Any, Callable, TypeVar
+
+from ..errors import SnapsvcError, UnsafePathError
+from .metafile import META_SUFFIX, checkpoint_names, meta_path
+
+__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series", "latest"]
+
+log = logging.getLogger("snapsvc")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SHM = "/dev/shm"
+
+_DIGITS = re.compile(r"\d+")
+
+
+def series(path: str) -> tuple[str, str]:
+    """The series of ``path`` (keep_last's, keep_in_memory's, persist_every's):
+    its directory and its name with digits masked."""
+    return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
+
+
+def check_private(path: str, create: bool) -> bool:
+    """``path`` is a real directory of ours, mode 0700 (made so when ``create``);
+    False when missing and not created. Never follows a symlink."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return False
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} is not a plain directory (a symlink or a file): snapsvc "
+                              "keeps private snapshots there and never follows one; remove it")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{path} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.getuid()}): refused; remove it or run as its owner")
+    if st.st_mode & 0o077:
+        raise UnsafePathError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}, open to other "
+                              "users; expected 0700: chmod 700 it or remove it")
+    return True
+
+
+def ram_root() -> str:
+    """The user's RAM-tier folder (its path; not made here)."""
+    return os.path.join(SHM, f"snapsvc-{os.getuid()}")
+
+
+def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | None:
+    """Where the RAM copy of the checkpoint ``path`` lives; None when the
+    tier's folders do not exist (and ``create`` is False)."""
+    full = os.path.abspath(os.fspath(path))
+    root = ram_root()
+    folder = os.path.join(root, hashlib.sha256(os.path.dirname(full).encode()).hexdigest()[:16])
+    for _ in range(3):  # another sidecar's exit may remove an empty root between the two
+        try:
+            if not check_private(root, create) or not check_private(folder, create):
+                return None
+            return os.path.join(folder, os.path.basename(full))
+        except FileNotFoundError:
+            continue
+    raise UnsafePathError(f"{folder} kept vanishing while it was made; is something "
+                          f"removing {root}?")
+
+
+def _tidy(ram: str) -> None:
+    """Remove the folders above a dropped RAM copy once empty, so an exited
+    sidecar leaves no /dev/shm entry (a folder still in use stays)."""
+    for folder in (os.path.dirname(ram), ram_root()):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty: another writer's copies, or its folder
+            return
+
+
+def held(path: str | os.PathLike[str]) -> str | None:
+    """The RAM copy of ``path`` when one is complete (its metadata, written
+    last, is there), else None."""
+    if not os.path.isdir(SHM):
+        return None
+    ram = ram_path(path)
+    return ram if ram is not None and os.path.exists(meta_path(ram)) else None
+
+
+def drop(ram: str) -> None:
+    """Remove a RAM copy, metadata first (it vouches for the rest), and its
+    folders once empty."""
+    for name in checkpoint_names(ram):
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+    _tidy(ram)
+
+
+def read_first(reader: F) -> F:
+    """``reader(path, ...)`` that reads the RAM copy of ``path`` when one is
+    held, and the disk when there is none or it fails its checks (a warning
+    names the problem)."""
+    @functools.wraps(reader)
+    def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+        local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+        ram = held(path) if local else None
+        if ram is None:
+            return reader(path, *args, **kwargs)
+        try:
+            result = reader(ram, *args, **kwargs)
+        except (SnapsvcError, ValueError, OSError) as e:
+            if not any(os.path.exists(p) for p in (path, meta_path(path))):
+                raise  # no disk copy to fall back to: the RAM copy's own error says why
+            warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({e}); "
+                          "reading it from disk instead", RuntimeWarning, stacklevel=2)
+            return reader(path, *args, **kwargs)
+        problems = getattr(result, "problems", None)
+        if problems:  # verify's report: a bad RAM copy is skipped too
+            warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({problems[0]}); "
+                          "checking the disk copy instead", RuntimeWarning, stacklevel=2)
+            return reader(path, *args, **kwargs)
+        if getattr(result, "path", None) == ram:
+            result.path = os.fspath(path)
+        return result
+    return wrapper  # type: ignore[return-value]
+
+
+def _complete(folder: str) -> dict[str, tuple[int, float]]:
+    """Checkpoint names in ``folder`` whose metadata and file are there: (step, meta mtime)."""
+    found: dict[str, tuple[int, float]] = {}
+    try:
+        names = set(os.listdir(folder))
+    except FileNotFoundError:
+        return found
+    for meta in names:
+        name = meta[:-len(META_SUFFIX)]
+        if not meta.endswith(META_SUFFIX) or name not in names:
+            continue
+        digits = _DIGITS.findall(name)
+        found[name] = (int(digits[-1]) if digits else -1,
+                       os.stat(os.path.join(folder, meta)).st_mtime)
+    return found
+
+
+def latest(directory: str | os.PathLike[str], *,
+           remote: str | os.PathLike[str] | None = None) -> str | None:
+    """The newest complete checkpoint of ``directory`` across the RAM tier,
+    the disk and ``remote`` (a mounted directory), or None.
+
+    Newest: the highest number in its name (``step1200.fdl``), then the newest
+    metadata. Complete: its file and its ``.meta`` are there (the reads check
+    the CRCs). The answer is a path under ``directory`` (:func:`snapsvc.load`
+    reads its RAM copy when one is held), or under ``remote`` when only that
+    tier holds the newest. Ties go to the faster tier.
+    """
+    if remote is not None and "://" in os.fspath(remote):
+        raise NotImplementedError("latest(remote=URL) is not built yet: pass a mounted "
+                                  "directory, or use snapsvc.latest_checkpoint for steps")
+    directory = os.path.abspath(os.fspath(directory))
+    ram = ram_path(os.path.join(directory, "x"))
+    tiers = [(os.path.dirname(ram), directory)] if ram is not None else []
+    tiers.append((directory, directory))
+    if remote is not None:
+        tiers.append((os.fspath(remote), os.fspath(remote)))
+    best: tuple[tuple[int, float], int, str] | None = None
+    for rank, (folder, shown) in enumerate(tiers):
+        for name, key in _complete(folder).items():
+            # newer wins; at a tie the earlier (faster) tier stays
+            if best is None or key[0] > best[0][0] or (key[0] == best[0][0] and key[1] > best[0][1]
+                                                         and rank == best[1]):
+                best = (key, rank, os.path.join(shown, name))
+    return None if best is None else best[2]

@@ -1,0 +1,81 @@
+"""Where a lingering sidecar waits for the next trainer of its directory.
+
+A sidecar whose trainer died without ``close()`` (``SnapshotWriter(linger=>0)``)
+listens on a Unix socket named by a hash of its checkpoint directory, in the
+user's runtime folder: ``$XDG_RUNTIME_DIR/snapsvc`` or ``/tmp/snapsvc-<uid>``,
+mode 0700 (a symlink, a foreign owner or open modes are refused with
+:class:`~snapsvc.errors.UnsafePathError`). The socket's path is the record: a
+new writer on that directory finds it there. Both ends check the other's uid
+with ``SO_PEERCRED``. No torch: both the trainer and the sidecar import this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import UnsafePathError
+from ..format import protocol
+from .ramtier import check_private
+
+__all__ = ["runtime_dir", "socket_path", "peer_uid", "attach", "ATTACH"]
+
+ATTACH = "attach"
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def runtime_dir(create: bool = False) -> str | None:
+    """The user's private runtime folder (made 0700 when ``create``); None if missing."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(xdg, "snapsvc") if xdg else f"/tmp/snapsvc-{os.getuid()}"
+    return path if check_private(path, create) else None
+
+
+def socket_path(directory: str, create: bool = False) -> str | None:
+    """The socket a lingering sidecar of ``directory`` listens on (None: no runtime folder)."""
+    folder = runtime_dir(create)
+    if folder is None:
+        return None
+    key = hashlib.sha256(os.path.abspath(directory).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"{key}.sock")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+
+
+def attach(directory: str, timeout: float = 30.0) -> dict[str, Any] | None:
+    """Take over what a lingering sidecar of ``directory`` holds: its RAM copies,
+    the files its ``keep_last`` series rotate, the failures no trainer heard
+    of. None when no sidecar lingers there. The sidecar exits after answering,
+    leaving its RAM copies to the caller's new sidecar."""
+    path = socket_path(directory)
+    if path is None or not os.path.exists(path):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError:  # gone meanwhile, or a stale socket file: nothing to take over
+        sock.close()
+        return None
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        sock.close()
+        raise UnsafePathError(f"{path} is served by uid {uid}, not this user (uid "
+                              f"{os.getuid()}): refused; remove it or run as its owner")
+    conn = Connection(sock.detach())
+    try:
+        conn.send_bytes(protocol.pack(ATTACH, pid=os.getpid()))
+        if not conn.poll(timeout):
+            return None
+        return protocol.unpack(conn.recv_bytes())
+    except (EOFError, OSError):  # it reached its deadline as we came
+        return None
+    finally:
+        conn.close()
