@@ -74,7 +74,7 @@ load = accepts_url(_load)
 restore = accepts_url(_restore)
 read_checkpoint = accepts_url(read_checkpoint)
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "__version__",
