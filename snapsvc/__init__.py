@@ -36,7 +36,7 @@ from .files.convert import (
     write_safetensors,
 )
 from .engine.writer import SnapshotWriter, WriteHandle, WriteReport
-from .engine.attach import AttachReport
+from .engine.life import AttachReport
 from .distributed import (
     DistributedSnapshotWriter,
     DistributedWriteHandle,

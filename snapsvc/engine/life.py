@@ -10,6 +10,10 @@ Leaving the interpreter with writes in flight: SIGTERM's default kills the
 trainer at once; while a writer is open it is turned into ``SystemExit`` so
 ``with`` blocks and the exit drain run. An interpreter that exits without
 ``close()`` lets each sidecar drain, bounded by the writer's ``drain_timeout``.
+
+The restart tier on this side: attaching a new writer to a sidecar that
+lingers after its trainer died (``take_over``), and ``persist_every``'s count
+(``Cadence``).
 """
 
 from __future__ import annotations
@@ -21,17 +25,20 @@ import signal
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import UnsafePathError
 from ..files.durable import remove_stale_temps
+from ..files.ramtier import series
+from ..files.rendezvous import attach
 from ..format import protocol
-from .attach import take_over
 from .book import Book
 from .copier import Copier
 from .link import Sidecar
 from .pools import SlotPools
 
-__all__ = ["Life", "live", "exit_on_sigterm", "restore_sigterm"]
+__all__ = ["Life", "live", "exit_on_sigterm", "restore_sigterm", "AttachReport", "Cadence", "take_over"]
 
 log = logging.getLogger("snapsvc")
 
@@ -168,3 +175,56 @@ def _close_at_exit() -> None:
             w.finish(timeout=w.drain_timeout)
         except Exception:  # never block interpreter exit on a checkpoint
             log.exception("closing a snapsvc writer at exit failed")
+
+@dataclass
+class AttachReport:
+    """What a new :class:`~snapsvc.SnapshotWriter` took over from a sidecar that
+    outlived its trainer (``linger``): ``writer.attached``, None when it found none.
+
+    ``held``: the memory-only snapshots (their paths) still in RAM, readable with
+    :func:`snapsvc.load`/``restore``; ``failures``: (path, error) of each write
+    that failed while no trainer was attached; ``pid``: that sidecar's process.
+    """
+
+    pid: int
+    held: list[str] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+def take_over(directory: str, linger: float, options: dict) -> AttachReport | None:
+    """Attach to a sidecar lingering on ``directory``: its RAM copies and
+    ``keep_last`` files go into ``options`` for the new sidecar."""
+    try:
+        state = attach(directory)
+    except UnsafePathError:
+        if linger:  # this writer would linger there: the user must fix it
+            raise
+        log.warning("not looking for a lingering sidecar", exc_info=True)
+        return None
+    if state is None:
+        return None
+    options["held"] = [tuple(pair) for pair in state["held"]]
+    written = list(options.get("written") or ())
+    options["written"] = written + [p for p in state["written"] if p not in written]
+    report = AttachReport(state["pid"], [p for p, _ in state["held"]],
+                          [(f["path"], f["error"]) for f in state["failures"]])
+    for path, error in report.failures:
+        log.error("while no trainer was attached, writing %s failed: %s", path, error)
+    return report
+
+
+class Cadence:
+    """``persist_every``: which submits of each series are persisted (the K-th, 2K-th, ...)."""
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+        self._counts: dict[tuple[str, str], int] = {}  # submits per series, this writer's
+        self._lock = threading.Lock()
+
+    def persist(self, path: str) -> bool:
+        if self.every is None:
+            return True
+        key = series(path)
+        with self._lock:
+            n = self._counts[key] = self._counts.get(key, 0) + 1
+        return n % self.every == 0

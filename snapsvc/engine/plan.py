@@ -23,6 +23,7 @@ from ..files.durable import check_final_name
 from ..files.meta import meta_path, optim_path
 from ..format import datafile, fdl, kinds, protocol
 from ..format.layout import BUFFER, OPTIM, PARAM, Layout
+from ..remote.store import remote_key
 from ..state.resume import optimizer_state
 from ..state.memo import WalkMemo
 from ..state.tree import Flat, flatten, model_extra_states
@@ -141,10 +142,11 @@ def check_epoch(epoch: int | None) -> int:
 
 
 def check_path(directory: str | None, path: str | os.PathLike[str], *,
-               optimizer: bool = False) -> str:
+               optimizer: bool = False, remote: str | None = None) -> str:
     """The absolute checkpoint path, refused if it names a directory, is not
-    UTF-8 or derives a name too long for the file system: its ``.meta``, or
-    with an ``optimizer`` file its ``.optim`` name, one byte longer."""
+    UTF-8, derives a name too long for the file system (its ``.meta``, or
+    with an ``optimizer`` file its ``.optim`` name, one byte longer) or one
+    the ``remote`` tier cannot hold (it would fail every upload attempt)."""
     raw = os.fspath(path)
     name = os.path.basename(raw)
     if not raw or raw.endswith(os.sep) or name in ("", ".", ".."):
@@ -160,6 +162,11 @@ def check_path(directory: str | None, path: str | os.PathLike[str], *,
         raise PathError(f"checkpoint path {full!r} is a directory; give a file name")
     for derived in (meta_path(full), optim_path(full)) if optimizer else (meta_path(full),):
         check_final_name(derived)
+    if remote is not None and directory is not None:
+        try:
+            remote_key(remote, directory, full)
+        except ValueError as e:
+            raise PathError(str(e)) from None
     return full
 
 

@@ -16,16 +16,15 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from ..errors import PathError, UnsafeCallError
-from ..remote.store import check_remote, remote_key
+from ..errors import UnsafeCallError
+from ..remote.store import check_remote
 from ..format import protocol
 from ..state.tree import check_plain
-from .attach import AttachReport, Cadence
 from .book import Book
 from .copier import Copier
 from .dispatch import Dispatcher
 from .handles import WriteHandle, WriteReport
-from .life import Life
+from .life import AttachReport, Cadence, Life
 from .plan import check_epoch, check_path, find_pool, pack_body, request
 from .pools import Slot, SlotPools
 from .link import Sidecar
@@ -53,8 +52,12 @@ _OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_options(**values: Any) -> None:
+def _check_options(start_method: str | None, **values: Any) -> None:
     """Refuse a constructor argument out of its range, naming what is accepted."""
+    if start_method is not None:
+        warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
+                      "is always a fresh interpreter that never imports __main__",
+                      DeprecationWarning, stacklevel=3)
     for name, value in values.items():
         ok, expected = _OPTIONS[name]
         if not ok(value):
@@ -89,10 +92,8 @@ class SnapshotWriter:
         nice: the sidecar's nice increment; None is 10 beside a process that
             has initialized CUDA, else 0 (a niced sidecar starves beside CPU
             training, and saves then wait for a free slot).
-        fault_hook: for tests, an importable ``hook(stage, path)`` run in the
-            sidecar (:func:`snapsvc.files.durable.set_fault_hook`).
-        start_method: deprecated and ignored: the sidecar is always a fresh
-            interpreter (:mod:`snapsvc.engine.link`).
+        fault_hook: for tests, an importable ``hook(stage, path)`` run in the sidecar.
+        start_method: deprecated and ignored (:mod:`snapsvc.engine.link`).
         remote: a second tier, ``s3://``/``gs://``/``az://`` or a mounted
             directory; each durable checkpoint is copied there by the sidecar,
             ``.meta`` last (:mod:`snapsvc.remote.upload`); ``handle.uploaded()``
@@ -102,14 +103,11 @@ class SnapshotWriter:
             how long :meth:`close` waits for uploads.
         remote_options: passed to obstore's ``from_url`` (and to the boto3 client
             that aborts leftover multipart uploads); checked here.
-        persist_every: persist the K-th, 2K-th, ... submit of each series (counted
-            per writer) and keep the others memory-only, as ``submit(persist=False)``.
-        keep_in_memory: memory-only snapshots the sidecar holds per series (the
-            newest; :mod:`snapsvc.files.ramtier`).
-        linger: seconds a sidecar whose trainer died without :meth:`close` stays,
-            its queue written, holding its RAM copies for the next writer of this
-            directory, which takes them over at start (``writer.attached``,
-            :mod:`snapsvc.sidecar.linger`). A clean close ends it as with 0.
+        persist_every, keep_in_memory, linger: the restart tier (docs/restart.md):
+            persist the K-th, 2K-th, ... submit of each series, the others held in RAM only;
+            the newest N memory-only snapshots per series the sidecar holds; seconds a
+            sidecar whose trainer died without :meth:`close` stays, its queue written, for
+            the next writer of this directory to take over (``writer.attached``).
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -127,11 +125,10 @@ class SnapshotWriter:
                  remote_options: Mapping[str, Any] | None = None,
                  persist_every: int | None = None, keep_in_memory: int = 1,
                  linger: float = 0.0) -> None:
-        _check_options(slots=slots, policy=policy, keep_last=keep_last,
-                       compress_level=compress_level, nice=nice, incremental=incremental,
+        _check_options(slots=slots, policy=policy, keep_last=keep_last, nice=nice,
+                       compress_level=compress_level, incremental=incremental,
                        max_slot_bytes=max_slot_bytes, persist_every=persist_every,
-                       keep_in_memory=keep_in_memory, linger=linger)
-        self.persist_every = persist_every
+                       keep_in_memory=keep_in_memory, linger=linger, start_method=start_method)
         self._cadence = Cadence(persist_every)
         self.directory = os.path.abspath(directory) if directory is not None else None
         self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
@@ -151,10 +148,6 @@ class SnapshotWriter:
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
         self._book = Book(self._on_reader, keep_last=keep_last is not None,
                           remote=self.remote is not None)
-        if start_method is not None:
-            warnings.warn("SnapshotWriter(start_method=...) is deprecated and ignored: the sidecar "
-                          "is always a fresh interpreter that never imports __main__",
-                          DeprecationWarning, stacklevel=2)
         self._sidecar = Sidecar(options, self._on_report, self._on_exit)
         self._pools = SlotPools(slots, max_slot_bytes)
         self._copier = Copier(overlap, incremental)
@@ -262,10 +255,8 @@ class SnapshotWriter:
                 book.cond.notify_all()
 
     def _upload_durable(self, path: str | os.PathLike[str]) -> WriteHandle:
-        """Upload the checkpoint ``path`` (under ``directory``), durable already,
-        through the sidecar's uploader; its handle's ``uploaded()`` resolves as a
-        submitted checkpoint's does. For DistributedSnapshotWriter, whose sidecars
-        do not scan the shared directory at start: the ranks decide what each uploads."""
+        """Upload ``path``, durable already, through the sidecar's uploader (for
+        DistributedSnapshotWriter: its ranks decide what each uploads)."""
         self._check_caller("upload", wait=False)
         if self.remote is None:
             raise ValueError("this SnapshotWriter has no remote tier (remote=None)")
@@ -297,12 +288,7 @@ class SnapshotWriter:
     def _resolve(self, path: str | os.PathLike[str], create: bool = True, *,
                  optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
-        full = check_path(self.directory, path, optimizer=optimizer)
-        if self.remote is not None and self.directory is not None:
-            try:  # a name the remote tier cannot hold would fail every upload attempt
-                remote_key(self.remote, self.directory, full)
-            except ValueError as e:
-                raise PathError(str(e)) from None
+        full = check_path(self.directory, path, optimizer=optimizer, remote=self.remote)
         directory = os.path.dirname(full)
         if create:
             with self._book.cond:
