@@ -14,6 +14,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402
+from test_lightning_overlap import slow_copy  # noqa: E402,F401  (a fixture)
 from test_lightning_stock import Lit, data, trainer  # noqa: E402
 
 
@@ -57,7 +58,8 @@ class AdamLit(Lit):
 
 
 @pytest.mark.timeout(240)
-def test_an_overlap_save_after_fit_holds_the_state_at_the_save(tmp_path, no_leaks):
+def test_an_overlap_save_after_fit_holds_the_state_at_the_save(tmp_path, slow_copy, no_leaks):
+    """A deferred copy would run only at the load, after the zeroing (slow_copy)."""
     saved = {}
     for io in ("default", "snapsvc"):
         torch.manual_seed(0)

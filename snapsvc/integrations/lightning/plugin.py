@@ -24,8 +24,9 @@ gradients do not step, so the copy runs on through them. Only the
 optimizer's step writes its per-parameter state, which is why only that
 part waits: parameters change outside a step too (``StochasticWeightAveraging``
 and EMA callbacks write them in their hooks), as BatchNorm's buffers do in
-every forward. A save outside ``fit`` (``trainer.save_checkpoint`` after
-it) copies everything before it returns. Loads, removals and ``teardown``
+every forward. A save outside a running ``fit`` (``trainer.save_checkpoint``
+after it) copies everything, and, in every mode, returns once the file is
+whole (as stock's does), then stops the sidecar. Loads, removals and ``teardown``
 wait for pending copies as for pending writes.
 
 Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
@@ -65,7 +66,8 @@ class SnapsvcCheckpointIO:
 
     ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
     the module docstring); the sidecar starts
-    at the first save and stops at ``teardown`` (the end of each ``fit``).
+    at the first save and stops at ``teardown`` (the end of each ``fit``), or
+    right after a save outside a running ``fit``, which returns once written.
     ``timeout``: seconds that a load, a removal or the teardown waits for
     pending writes. A failed write raises on the next ``save_checkpoint``,
     load or ``teardown``, once.
