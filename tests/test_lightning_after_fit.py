@@ -88,3 +88,19 @@ def test_the_plugin_pickles_as_stocks_io_does(tmp_path, no_leaks):
     assert torch.equal(copy.load_checkpoint(str(tmp_path / "a.ckpt"))["x"], torch.ones(2))
     copy.teardown()
     io.teardown()
+
+
+# -- item 19: snapsvc.verify on a save_last="link" checkpoint -------------------------------------
+
+@pytest.mark.timeout(180)
+def test_verify_accepts_a_last_link_that_loads_as_with_stock(tmp_path, no_leaks):
+    import snapsvc
+    for io in ("default", "snapsvc"):
+        d = tmp_path / io
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, save_last="link")
+        trainer(io, [ckpt], max_steps=2, limit_val_batches=0).fit(Lit(), data(2))
+        last = d / "last.ckpt"
+        assert os.path.islink(last), io
+        Lit.load_from_checkpoint(last)  # the link loads, with either IO
+    report = snapsvc.verify(tmp_path / "snapsvc" / "last.ckpt")
+    assert report.ok, report.problems
