@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import pickle
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402
 from test_lightning_overlap import slow_copy  # noqa: E402,F401  (a fixture)
-from test_lightning_stock import Lit, data, trainer  # noqa: E402
+from test_lightning_stock import Lit, data, read, trainer  # noqa: E402
 
 
 def _children() -> set[int]:
@@ -104,3 +106,24 @@ def test_verify_accepts_a_last_link_that_loads_as_with_stock(tmp_path, no_leaks)
         Lit.load_from_checkpoint(last)  # the link loads, with either IO
     report = snapsvc.verify(tmp_path / "snapsvc" / "last.ckpt")
     assert report.ok, report.problems
+
+
+# -- item 13: values stock pickles, added in on_save_checkpoint ------------------------------------
+
+class Extra(Lit):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["seen"] = {1, 2}
+        checkpoint["np_rng"] = np.random.get_state()
+
+
+@pytest.mark.timeout(180)
+def test_values_added_in_on_save_checkpoint_round_trip_as_with_stock(tmp_path, no_leaks):
+    got = {}
+    for io in ("default", "snapsvc"):
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / io, filename="c")
+        trainer(io, [ckpt], max_steps=2, limit_val_batches=0).fit(Extra(), data(2))
+        got[io] = read(io, ckpt.best_model_path)
+    assert got["snapsvc"]["seen"] == got["default"]["seen"] == {1, 2}
+    want, ours = got["default"]["np_rng"], got["snapsvc"]["np_rng"]
+    assert type(ours) is tuple and ours[0] == want[0] and np.array_equal(ours[1], want[1])
+    assert tuple(ours[2:]) == tuple(want[2:])
