@@ -60,7 +60,8 @@ class AdamLit(Lit):
 
 
 @pytest.mark.timeout(240)
-def test_an_overlap_save_after_fit_holds_the_state_at_the_save(tmp_path, slow_copy, no_leaks):
+@pytest.mark.usefixtures("slow_copy")
+def test_an_overlap_save_after_fit_holds_the_state_at_the_save(tmp_path, no_leaks):
     """A deferred copy would run only at the load, after the zeroing (slow_copy)."""
     saved = {}
     for io in ("default", "snapsvc"):
