@@ -88,9 +88,9 @@ def test_the_plugin_pickles_as_stocks_io_does(tmp_path, no_leaks):
     io.save_checkpoint({"x": torch.ones(2)}, str(tmp_path / "a.ckpt"))  # a sidecar, locks, threads
     copy = pickle.loads(pickle.dumps(io))
     assert copy.timeout == 7.0 and copy.writer is None
+    io.teardown()  # written: the copy (another process under ddp_spawn) reads it
     assert torch.equal(copy.load_checkpoint(str(tmp_path / "a.ckpt"))["x"], torch.ones(2))
     copy.teardown()
-    io.teardown()
 
 
 # -- item 19: snapsvc.verify on a save_last="link" checkpoint -------------------------------------

@@ -122,7 +122,7 @@ class SnapsvcCheckpointIO:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
         if self._writer is None:
             self._writer = SnapshotWriter(**self._options).start()
-        fitting = self._fitting()
+        fitting = self._trainer is None or self._fitting()  # used alone, with no trainer: asynchronous
         if fitting and self._writer.overlap and self._guard_optimizers():
             checkpoint = _mark_step_state(checkpoint)
         self._handles.append(self._writer.submit(checkpoint, path))
@@ -220,7 +220,7 @@ class SnapsvcCheckpointIO:
         self._raise_failed()
 
     def _fitting(self) -> bool:
-        """Whether the trainer this plugin serves is inside a running ``fit``."""
+        """Whether the trainer this plugin served in ``fit`` is inside a running one."""
         trainer = self._trainer() if self._trainer is not None else None
         state = getattr(trainer, "state", None)
         if state is None:
