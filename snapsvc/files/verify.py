@@ -79,7 +79,8 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
     (and those of the optimizer file and data file written beside it, if any).
 
     A missing metadata file is a problem (an unfinished write) unless
-    ``require_meta=False``; a missing ``path`` is "no such file". Never raises
+    ``require_meta=False``; a missing ``path`` is "no such file". A symlink is
+    checked as the checkpoint it points at, as loads read it. Never raises
     for a bad file: problems are listed.
     """
     path = os.fspath(path)
@@ -91,6 +92,8 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
     if os.path.isdir(path):
         problems.append(f"{path}: a directory, not a checkpoint file")
         return report
+    if os.path.islink(path):  # ModelCheckpoint(save_last="link"): metadata and companions lie beside
+        path = os.path.realpath(path)   # the checkpoint it points at, and loads read through it
     try:
         report.meta = read_meta(path)
     except FormatError as e:

@@ -27,6 +27,9 @@ datamodule's) are stored as follows, and come back so from
   their weights are in the model's ``state_dict`` already.
 - Anything else is refused, naming its key.
 
+The top-level keys a user adds in ``on_save_checkpoint`` are stored the same
+way (a ``set``, ``np.random.get_state()``), as stock's pickle stores them.
+
 Each encoded value is a dict holding the key ``"__snapsvc_type__"``; a
 hyper-parameter dict of one's own with that key is refused.
 """
@@ -50,6 +53,11 @@ from ...state.tree import flatten
 __all__ = ["HPARAM_KEYS", "encode_hparams", "check_hparams", "decode_hparams"]
 
 HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")  # Lightning's CHECKPOINT_HYPER_PARAMS_KEYs
+# The keys Lightning's own checkpoint dict holds; every other top-level key was added by
+# the user (on_save_checkpoint) and is stored as hyper-parameters are: a set or NumPy's
+# random state comes back as with stock's pickle.
+_LIGHTNING_KEYS = frozenset({"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops",
+                             "callbacks", "optimizer_states", "lr_schedulers", "hparams_name"})
 _TAG = "__snapsvc_type__"
 _PATHS = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")
 
@@ -57,8 +65,9 @@ _PATHS = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "
 def encode_hparams(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """``checkpoint`` with its hyper-parameters in storable form (see the module docstring)."""
     out = dict(checkpoint)
-    for key in HPARAM_KEYS:
-        if key in out:
+    for key in out:
+        if key in HPARAM_KEYS or (isinstance(key, str) and key not in _LIGHTNING_KEYS
+                                  and not key[:1].isupper()):  # a precision plugin's state: its class name
             out[key] = _Encoder(key).value(out[key], ())
     return out
 
@@ -70,8 +79,8 @@ def check_hparams(key: str, hparams: Mapping[str, Any]) -> None:
 
 def decode_hparams(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Undo :func:`encode_hparams` in place; returns ``checkpoint``."""
-    for key in HPARAM_KEYS:
-        if key in checkpoint:
+    for key in checkpoint:
+        if key not in _LIGHTNING_KEYS:  # changes only what encode_hparams tagged
             checkpoint[key] = _decode(checkpoint[key], key)
     return checkpoint
 

@@ -24,8 +24,9 @@ gradients do not step, so the copy runs on through them. Only the
 optimizer's step writes its per-parameter state, which is why only that
 part waits: parameters change outside a step too (``StochasticWeightAveraging``
 and EMA callbacks write them in their hooks), as BatchNorm's buffers do in
-every forward. A save outside ``fit`` (``trainer.save_checkpoint`` after
-it) copies everything before it returns. Loads, removals and ``teardown``
+every forward. A save outside a running ``fit`` (``trainer.save_checkpoint``
+after it) copies everything, and, in every mode, returns once the file is
+whole (as stock's does), then stops the sidecar. Loads, removals and ``teardown``
 wait for pending copies as for pending writes.
 
 Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
@@ -65,7 +66,8 @@ class SnapsvcCheckpointIO:
 
     ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
     the module docstring); the sidecar starts
-    at the first save and stops at ``teardown`` (the end of each ``fit``).
+    at the first save and stops at ``teardown`` (the end of each ``fit``), or
+    right after a save outside a running ``fit``, which returns once written.
     ``timeout``: seconds that a load, a removal or the teardown waits for
     pending writes. A failed write raises on the next ``save_checkpoint``,
     load or ``teardown``, once.
@@ -120,9 +122,16 @@ class SnapsvcCheckpointIO:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
         if self._writer is None:
             self._writer = SnapshotWriter(**self._options).start()
-        if self._writer.overlap and self._guard_optimizers():
+        fitting = self._trainer is None or self._fitting()  # used alone, with no trainer: asynchronous
+        if fitting and self._writer.overlap and self._guard_optimizers():
             checkpoint = _mark_step_state(checkpoint)
         self._handles.append(self._writer.submit(checkpoint, path))
+        if not fitting:
+            # Outside a running fit (trainer.save_checkpoint after it, a Lightning
+            # .temp.ckpt of a forked rank): stock's file is whole when the save returns,
+            # and any reader (load_from_checkpoint, another Trainer) may read it now.
+            # The sidecar stops too: nothing may save again, so it must not stay running.
+            self.teardown()
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -209,6 +218,23 @@ class SnapsvcCheckpointIO:
                 hook.remove()
             self._guards = []
         self._raise_failed()
+
+    def _fitting(self) -> bool:
+        """Whether the trainer this plugin served in ``fit`` is inside a running one."""
+        trainer = self._trainer() if self._trainer is not None else None
+        state = getattr(trainer, "state", None)
+        if state is None:
+            return False
+        return (getattr(state.fn, "value", state.fn) == "fit"   # str enums: their values
+                and getattr(state.status, "value", state.status) == "running")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process gets (``ddp_spawn``): the options only, as with
+        stock's IO; the sidecar, locks and threads are made anew there."""
+        return {"timeout": self.timeout, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(timeout=state["timeout"], **state["options"])
 
     def pending(self, path: str | os.PathLike[str]) -> bool:
         """Whether a write to ``path`` is still in the sidecar."""
