@@ -121,7 +121,8 @@ def attach(directory: str, timeout: float = 30.0) -> dict[str, Any] | None:
         conn.send_bytes(protocol.pack(ATTACH, pid=os.getpid()))
         if not conn.poll(timeout):
             return None
-        return protocol.unpack(conn.recv_bytes())
+        state = protocol.unpack(conn.recv_bytes())
+        return state if state["op"] == ATTACH else None  # a busy service's answer: nothing
     except (EOFError, OSError):  # it reached its deadline as we came
         return None
     finally:

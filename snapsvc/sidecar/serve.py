@@ -171,15 +171,17 @@ class Service:
 
     def _refuse(self, peer: socket.socket, why: str) -> None:
         """Answer a trainer's HELLO with BUSY and hang up (its claim lock's fd is dropped)."""
-        conn = Connection(peer.detach())
+        conn = Connection(os.dup(peer.fileno()))
         try:
-            if conn.poll(_HELLO_TIMEOUT):
-                conn.recv_bytes()
+            if conn.poll(_HELLO_TIMEOUT) and protocol.unpack(conn.recv_bytes())["op"] == HELLO:
+                for fd in socket.recv_fds(peer, 1, 1)[1]:  # read before we answer and hang up
+                    os.close(fd)
             conn.send_bytes(protocol.pack(BUSY, error=why))
-        except (EOFError, OSError) as e:
+        except (EOFError, OSError, ValueError) as e:
             log.warning("refusing a trainer failed: %s", e)
         finally:
             conn.close()
+            peer.close()
 
     def _session(self, peer: socket.socket) -> None:
         """Serve one trainer until its STOP, its death or our SIGTERM."""
