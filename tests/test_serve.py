@@ -178,3 +178,48 @@ def test_service_path_with_nothing_listening_names_it(tmp_path):
     with pytest.raises(snapsvc.BrokenWriterError, match=str(missing)):
         w.start()
     w.close()
+
+
+SYSTEM_PY = "/usr/bin/python3"  # one a second uid may run (the venv's may sit under /root)
+
+
+def _as_nobody() -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PY),
+                    reason="switching to a second uid needs root and a system python")
+def test_only_the_same_uid_gets_in_on_either_end(tmp_path, serve):
+    short = tempfile.mkdtemp(prefix="svc", dir="/tmp")
+    try:
+        os.chmod(short, 0o777)
+        sock = os.path.join(short, "s.sock")
+        service = serve("--socket", sock)
+        os.chmod(sock, 0o666)  # past the file's mode: the service's SO_PEERCRED check decides
+        code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
+                "s.connect(sys.argv[1]); print(repr(s.recv(1)))")
+        out = subprocess.run([SYSTEM_PY, "-c", code, sock], preexec_fn=_as_nobody,
+                             capture_output=True, timeout=30)
+        assert out.stdout.strip() == b"b''", out  # hung up on at once, not served
+        assert _alive(service)
+        # the trainer's end: a socket served by another uid is refused, never used
+        other = os.path.join(short, "other.sock")
+        listener = subprocess.Popen(
+            [SYSTEM_PY, "-c", "import socket, sys, time; s = socket.socket(socket.AF_UNIX);"
+             " s.bind(sys.argv[1]); s.listen(); print('up', flush=True); time.sleep(60)", other],
+            preexec_fn=_as_nobody, stdout=subprocess.PIPE)
+        try:
+            assert listener.stdout.readline() == b"up\n"
+            w = snapsvc.SnapshotWriter(tmp_path, service=other)
+            with pytest.raises(snapsvc.UnsafePathError, match="uid 65534"):
+                w.start()
+            w.close()
+        finally:
+            listener.kill()
+            listener.wait(10)
+    finally:
+        for name in os.listdir(short):
+            os.unlink(os.path.join(short, name))
+        os.rmdir(short)

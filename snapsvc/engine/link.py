@@ -376,6 +376,10 @@ def _connect(path: str, remote: str | None, timeout: float) -> tuple[
             if conn is not None:
                 conn.close()
             raise
+    except EOFError:
+        sock.close()
+        raise ServiceUnavailable(f"the snapsvc service on {path} hung up (it runs as another "
+                                 "user, or it is stopping)") from None
     except OSError as e:  # nothing listens (ENOENT, ECONNREFUSED), or it hung up
         sock.close()
         if isinstance(e, UnsafePathError):
