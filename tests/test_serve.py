@@ -75,7 +75,7 @@ def _trainer_killed_after_memory_only_submit(directory) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_two_trainers_in_turn_share_ram_copies_and_keep_last(tmp_path, no_leaks, serve):
+def test_two_trainers_in_turn_share_ram_copies_and_keep_last_then_sigterm_cleans_up(tmp_path, no_leaks, serve):
     service = serve("--keep", "2")
     with snapsvc.SnapshotWriter(tmp_path) as w:   # found through the service's record
         assert w.pid == service.pid and w.attached is not None and w.attached.held == []
@@ -99,6 +99,17 @@ def test_two_trainers_in_turn_share_ram_copies_and_keep_last(tmp_path, no_leaks,
         w.submit(_state(3), "step3.fdl").result(30)
         assert sorted(p.name for p in tmp_path.glob("step*.fdl")) == ["step2.fdl", "step3.fdl"]
     assert _alive(service)
+    # SIGTERM ends it: no process, socket, record or /dev/shm folder is left (no_leaks too)
+    sock, ram = rendezvous.service_socket(str(tmp_path)), ramtier.held(tmp_path / "mem3.fdl")
+    assert sock is not None and ram is not None
+    service.send_signal(signal.SIGTERM)
+    assert service.wait(20) == 0
+    assert not os.path.exists(sock) and rendezvous.service_socket(str(tmp_path)) is None
+    assert not os.path.exists(os.path.dirname(ram))
+    assert os.path.exists(meta_path(tmp_path / "step3.fdl"))  # durable writes stay
+    with snapsvc.SnapshotWriter(tmp_path) as w:  # nothing registered: a sidecar as ever
+        assert w.attached is None and w.pid != service.pid
+        w.submit(_state(4), "step4.fdl").result(30)
 
 
 @pytest.mark.timeout(90)
@@ -150,25 +161,6 @@ def test_service_killed_fails_pending_handles_and_the_next_submit_recovers(tmp_p
             time.sleep(0.05)
         w.submit(_state(4), "a4.fdl").result(30)
         assert w.pid == again.pid
-
-
-@pytest.mark.timeout(60)
-def test_sigterm_ends_the_service_leaving_nothing(tmp_path, serve):
-    service = serve()
-    sock = rendezvous.service_socket(str(tmp_path))
-    with snapsvc.SnapshotWriter(tmp_path) as w:
-        w.submit(_state(1), "step1.fdl", persist=False).result(30)
-        w.submit(_state(2), "best.fdl").result(30)
-    ram = ramtier.held(tmp_path / "step1.fdl")
-    assert ram is not None
-    service.send_signal(signal.SIGTERM)
-    assert service.wait(20) == 0
-    assert not os.path.exists(sock) and rendezvous.service_socket(str(tmp_path)) is None
-    assert not os.path.exists(os.path.dirname(ram))      # its /dev/shm folder is gone
-    assert os.path.exists(meta_path(tmp_path / "best.fdl"))  # the durable write stays
-    with snapsvc.SnapshotWriter(tmp_path) as w:  # nothing registered: a sidecar as ever
-        assert w.attached is None
-        w.submit(_state(3), "step3.fdl").result(30)
 
 
 @pytest.mark.timeout(30)

@@ -156,7 +156,7 @@ class Sidecar:
         self._outbox: queue.SimpleQueue[Sent | None] | None = None
         self._sender: threading.Thread | None = None
         self.gen = 0
-        self.proc: Process | None = None
+        self.proc: Process | ServiceProcess | None = None
         self.claim_lock: ClaimLock | None = None
         self.reader: threading.Thread | None = None
         self._req: Connection | None = None
@@ -170,6 +170,7 @@ class Sidecar:
     def start(self, timeout: float = START_TIMEOUT, service: str | None = None) -> int:
         """Start an interpreter (or attach to the ``snapsvc serve`` listening on
         ``service``), wait for its READY (or its death), start the reader; the new gen."""
+        proc: Process | ServiceProcess
         if service is not None:
             proc, req, req_sock, rep, lock, self.service_info = _connect(
                 service, self._options.get("remote"), timeout)
@@ -292,7 +293,7 @@ class Sidecar:
             self.claim_lock.close()
         self.proc = self.reader = self.claim_lock = None
 
-    def _read(self, gen: int, rep: Connection, proc: Process) -> None:
+    def _read(self, gen: int, rep: Connection, proc: Process | ServiceProcess) -> None:
         try:
             while True:
                 ready = wait([rep, proc.sentinel])  # the sentinel is the way out

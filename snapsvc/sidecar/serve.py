@@ -76,7 +76,7 @@ class Service:
         assert path is not None
         self.path = os.path.abspath(path)
         self.remote = remote
-        spec = None if remote is None else {
+        spec: dict[str, Any] | None = None if remote is None else {
             "remote": remote, "directory": self.directory, "remote_keep_last": None,
             "remote_timeout": remote_timeout, "remote_options": {}, "remote_scan": True,
             "remote_uncommit": (), "remote_names": None}
