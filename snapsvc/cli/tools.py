@@ -62,3 +62,36 @@ def _bench(args: argparse.Namespace) -> int:
     rest = [a for a in args.rest if a != "--"]
     return subprocess.call([sys.executable, script, "--plot", args.plot, "--json", args.json,
                             *rest])
+
+
+# -- serve --------------------------------------------------------------------------
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="the checkpoint directory its trainers write to")
+    p.add_argument("--remote", default=None, help="a second tier (s3://, gs://, az:// or a "
+                   "mounted directory): each durable checkpoint is copied there")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="keep the newest N files of each series (keep_last)")
+    p.add_argument("--socket", default=None, metavar="PATH", help="listen here (default: "
+                   "the directory's socket in the user's runtime folder); registered for "
+                   "the directory either way")
+
+
+@register("serve", help="run the writer sidecar as a service that outlives its trainers",
+          description="Serve SnapshotWriter(DIRECTORY) trainers one at a time on a Unix "
+          "socket: the same sidecar, its RAM copies (memory-only snapshots) and keep_last "
+          "series kept across trainers. A trainer's death or close() leaves it running; "
+          "SIGTERM or SIGINT ends it, removing its socket, its record and its RAM copies.",
+          arguments=_serve_arguments)
+def _serve(args: argparse.Namespace) -> int:
+    from ..remote.store import check_remote
+    from ..sidecar.serve import Service
+
+    if args.keep is not None and args.keep < 1:
+        raise UsageError("--keep must be at least 1")
+    directory = os.path.abspath(args.directory)
+    try:
+        remote = check_remote(args.remote, directory, None, 300.0)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    Service(directory, sock=args.socket, keep_last=args.keep, remote=remote).run()
+    return EXIT_OK

@@ -12,8 +12,10 @@ trainer at once; while a writer is open it is turned into ``SystemExit`` so
 ``close()`` lets each sidecar drain, bounded by the writer's ``drain_timeout``.
 
 The restart tier on this side: attaching a new writer to a sidecar that
-lingers after its trainer died (``take_over``), and ``persist_every``'s count
-(``Cadence``).
+lingers after its trainer died (``take_over``) or to a ``snapsvc serve``
+service (``service=``, or one registered for the directory: it is tried
+first, and when it is gone or busy a sidecar of our own starts), and
+``persist_every``'s count (``Cadence``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from typing import Any
 from ..errors import UnsafePathError
 from ..files.durable import remove_stale_temps
 from ..files.ramtier import series
-from ..files.rendezvous import attach
+from ..files.rendezvous import attach, service_socket
 from ..format import protocol
 from .book import Book
 from .copier import Copier
-from .link import Sidecar
+from .link import ServiceUnavailable, Sidecar
 from .pools import SlotPools
 
 __all__ = ["Life", "live", "exit_on_sigterm", "restore_sigterm", "AttachReport", "Cadence", "take_over"]
@@ -89,13 +91,14 @@ class Life:
             with book.cond:
                 if book.kept is not None:
                     self.options["written"] = list(book.kept)
-            if not started and self.owner.directory is not None:  # the first start only
-                self.owner.attached = take_over(self.owner.directory,
-                                                self.options.get("linger", 0.0), self.options)
-                if self.owner.attached is not None and book.kept is not None:
-                    with book.cond:
-                        book.kept = list(self.options["written"])
-            self.sidecar.start()
+            if not self._serve(first=not started):
+                if not started and self.owner.directory is not None:  # the first start only
+                    self.owner.attached = take_over(self.owner.directory,
+                                                    self.options.get("linger", 0.0), self.options)
+                    if self.owner.attached is not None and book.kept is not None:
+                        with book.cond:
+                            book.kept = list(self.options["written"])
+                self.sidecar.start()
             self.options.pop("held", None)  # the first sidecar owns them now
             with book.cond:
                 book.broken = None
@@ -108,6 +111,32 @@ class Life:
             if self.owner.sigterm:
                 exit_on_sigterm()
 
+
+    def _serve(self, first: bool) -> bool:
+        """Attach to ``service=``, else to a service registered for the directory
+        (``snapsvc serve``); False when there is none to attach to."""
+        path = self.owner.service
+        if path is None and self.owner.directory is not None:
+            try:
+                path = service_socket(self.owner.directory)
+            except UnsafePathError as e:
+                log.warning("not looking for a snapsvc service: %s", e)
+        if path is None:
+            return False
+        try:
+            self.sidecar.start(service=path)
+        except ServiceUnavailable as e:
+            if first and self.owner.service is not None:
+                raise
+            log.warning("%s; starting a writer sidecar of this trainer's own", e)
+            return False
+        info = self.sidecar.service_info or {}
+        if first:
+            self.owner.attached = AttachReport(info["pid"], [p for p, _ in info["held"]],
+                                               [(f["path"], f["error"]) for f in info["failures"]])
+        for f in info["failures"]:
+            log.error("while no trainer was attached, writing %s failed: %s", f["path"], f["error"])
+        return True
 
     def stop(self, timeout: float | None) -> None:
         """Drain what is queued (bounded by ``timeout``), then stop the sidecar."""

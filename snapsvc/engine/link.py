@@ -52,11 +52,12 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from ..errors import BrokenWriterError
+from ..errors import BrokenWriterError, UnsafePathError
+from ..files.rendezvous import HELLO, peer_uid
 from ..format import protocol
 from ..format.claims import ClaimLock
 
-__all__ = ["Sidecar", "Sent", "describe", "nice_of"]
+__all__ = ["Sidecar", "Sent", "describe", "nice_of", "ServiceProcess", "ServiceUnavailable"]
 
 log = logging.getLogger("snapsvc")
 
@@ -155,20 +156,67 @@ class Sidecar:
         self._outbox: queue.SimpleQueue[Sent | None] | None = None
         self._sender: threading.Thread | None = None
         self.gen = 0
-        self.proc: Process | None = None
+        self.proc: Process | ServiceProcess | None = None
         self.claim_lock: ClaimLock | None = None
         self.reader: threading.Thread | None = None
         self._req: Connection | None = None
         self._req_sock: socket.socket | None = None  # the same socket, for SCM_RIGHTS
+        self.service_info: dict[str, Any] | None = None  # a service's HELLO, when attached to one
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self, timeout: float = START_TIMEOUT) -> int:
-        """Start an interpreter, wait for its READY (or its death), start the reader; the new gen."""
-        options = pickle.dumps({**self._options, "nice": nice_of(self._options.get("nice"))})
-        # (an unpicklable hook fails here, not there)
+    def start(self, timeout: float = START_TIMEOUT, service: str | None = None) -> int:
+        """Start an interpreter (or attach to the ``snapsvc serve`` listening on
+        ``service``), wait for its READY (or its death), start the reader; the new gen."""
+        proc: Process | ServiceProcess
+        if service is not None:
+            proc, req, req_sock, rep, lock, self.service_info = _connect(
+                service, self._options.get("remote"), timeout)
+        else:
+            proc, req, req_sock, rep, lock = self._spawn()
+            self.service_info = None
+        msg = None
+        try:
+            if service is None:
+                try:
+                    req.send_bytes(pickle.dumps({**self._options,
+                                                 "nice": nice_of(self._options.get("nice"))}))
+                except OSError:  # died at once; described below
+                    pass
+            if rep in wait([rep, proc.sentinel], timeout=timeout):
+                try:
+                    msg = protocol.unpack(rep.recv_bytes())
+                except (EOFError, OSError, ValueError):
+                    pass
+        except BaseException:  # a Ctrl-C while it boots: no half-started process is left
+            proc.kill()
+            proc.join(5)
+            for end in (req, req_sock, rep, proc, lock):
+                end.close()
+            raise
+        if msg is None or msg["op"] != protocol.READY:
+            if not wait([proc.sentinel], timeout=5):  # exiting, or hung: give it 5 s
+                proc.kill()
+            proc.join(5)
+            for end in (req, req_sock, rep, proc, lock):
+                end.close()
+            raise BrokenWriterError(f"the writer sidecar did not start: {describe(proc)}")
+        self.gen += 1
+        self.proc, self._req, self._req_sock, self.claim_lock = proc, req, req_sock, lock
+        self._outbox = queue.SimpleQueue()
+        self._sender = threading.Thread(target=_send_all, args=(self._outbox, req, req_sock),
+                                        name="snapsvc-sender", daemon=True)
+        self._sender.start()
+        self.reader = threading.Thread(target=self._read, args=(self.gen, rep, proc),
+                                       name="snapsvc-reports", daemon=True)
+        self.reader.start()
+        return self.gen
+
+    def _spawn(self) -> tuple[Process, Connection, socket.socket, Connection, ClaimLock]:
+        """A fresh sidecar interpreter and our ends of its channels."""
+        pickle.dumps(self._options)  # an unpicklable hook fails here, not there
         req_sock, child_req = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         rep_r, child_rep = os.pipe()
         sentinel, child_sentinel = os.pipe()
@@ -188,43 +236,8 @@ class Sidecar:
             child_req.close()
             os.close(child_rep)
             os.close(child_sentinel)
-        proc = Process(popen, sentinel)
-        req = Connection(os.dup(req_sock.fileno()))
-        rep = Connection(rep_r, writable=False)
-        msg = None
-        try:
-            try:
-                req.send_bytes(options)
-            except OSError:  # died at once; described below
-                pass
-            if rep in wait([rep, sentinel], timeout=timeout):
-                try:
-                    msg = protocol.unpack(rep.recv_bytes())
-                except (EOFError, OSError, ValueError):
-                    pass
-        except BaseException:  # a Ctrl-C while it boots: no half-started process is left
-            proc.kill()
-            proc.join(5)
-            for end in (req, req_sock, rep, proc, lock):
-                end.close()
-            raise
-        if msg is None or msg["op"] != protocol.READY:
-            if not wait([sentinel], timeout=5):  # exiting, or hung: give it 5 s
-                proc.kill()
-            proc.join(5)
-            for end in (req, req_sock, rep, proc, lock):
-                end.close()
-            raise BrokenWriterError(f"the writer sidecar did not start: {describe(proc)}")
-        self.gen += 1
-        self.proc, self._req, self._req_sock, self.claim_lock = proc, req, req_sock, lock
-        self._outbox = queue.SimpleQueue()
-        self._sender = threading.Thread(target=_send_all, args=(self._outbox, req, req_sock),
-                                        name="snapsvc-sender", daemon=True)
-        self._sender.start()
-        self.reader = threading.Thread(target=self._read, args=(self.gen, rep, proc),
-                                       name="snapsvc-reports", daemon=True)
-        self.reader.start()
-        return self.gen
+        return (Process(popen, sentinel), Connection(os.dup(req_sock.fileno())), req_sock,
+                Connection(rep_r, writable=False), lock)
 
     def post(self, data: bytes, fd: int | None = None) -> Sent | None:
         """Queue one message (and a slot's shared-memory fd after it) for the
@@ -280,7 +293,7 @@ class Sidecar:
             self.claim_lock.close()
         self.proc = self.reader = self.claim_lock = None
 
-    def _read(self, gen: int, rep: Connection, proc: Process) -> None:
+    def _read(self, gen: int, rep: Connection, proc: Process | ServiceProcess) -> None:
         try:
             while True:
                 ready = wait([rep, proc.sentinel])  # the sentinel is the way out
@@ -302,10 +315,93 @@ class Sidecar:
         self._on_exit(gen, proc)
 
 
-def describe(proc: Process | None) -> str:
+class ServiceUnavailable(BrokenWriterError):
+    """No ``snapsvc serve`` answers on a socket, or it refused this trainer."""
+
+
+class ServiceProcess:
+    """A ``snapsvc serve`` service as one generation sees it: its sentinel reads
+    EOF once the service ended this trainer's session (or died); never killed."""
+
+    def __init__(self, pid: int, sentinel: int, sock: socket.socket, path: str) -> None:
+        self.pid, self.sentinel, self.path = pid, sentinel, path
+        self._sock = sock
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        """End this session (the service lives on): it reads EOF after what it was sent."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        pass
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+        self._sock.close()
+
+
+def _connect(path: str, remote: str | None, timeout: float) -> tuple[
+        ServiceProcess, Connection, socket.socket, Connection, ClaimLock, dict[str, Any]]:
+    """Attach to the service on ``path``: hello and the claim lock's fd out, its
+    hello and the session's sentinel back (``SCM_RIGHTS``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(min(timeout, 10.0))
+    try:
+        sock.connect(path)
+        uid = peer_uid(sock)
+        if uid != os.getuid():
+            raise UnsafePathError(f"{path} is served by uid {uid}, not this user (uid "
+                                  f"{os.getuid()}): refused; run the service as this user")
+        lock = ClaimLock.create()
+        conn = None
+        try:
+            conn = Connection(os.dup(sock.fileno()))
+            conn.send_bytes(protocol.pack(HELLO, pid=os.getpid(), remote=remote))
+            socket.send_fds(sock, [b"\0"], [lock.fd])
+            msg = protocol.unpack(conn.recv_bytes()) if conn.poll(timeout) else None
+            if msg is None or msg["op"] != HELLO:
+                why = msg.get("error") if msg else f"no answer in {timeout:.0f} s"
+                raise ServiceUnavailable(f"the snapsvc service on {path} refused this trainer: "
+                                         f"{why}")
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            if len(fds) != 1:
+                raise ServiceUnavailable(f"the snapsvc service on {path} sent no sentinel")
+        except BaseException:
+            lock.close()
+            if conn is not None:
+                conn.close()
+            raise
+    except EOFError:
+        sock.close()
+        raise ServiceUnavailable(f"the snapsvc service on {path} hung up (it runs as another "
+                                 "user, or it is stopping)") from None
+    except OSError as e:  # nothing listens (ENOENT, ECONNREFUSED), or it hung up
+        sock.close()
+        if isinstance(e, UnsafePathError):
+            raise
+        raise ServiceUnavailable(f"no snapsvc service answers on {path} ({e}); start one "
+                                 f"with `snapsvc serve DIRECTORY --socket {path}`") from None
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    proc = ServiceProcess(msg["pid"], fds[0], socket.socket(fileno=os.dup(sock.fileno())), path)
+    return (proc, conn, sock, Connection(os.dup(sock.fileno()), writable=False), lock,
+            {k: v for k, v in msg.items() if k != "op"})
+
+
+def describe(proc: Process | ServiceProcess | None) -> str:
     """How a writer process ended (or that it did not answer)."""
     if proc is None:
         return "is not running"
+    if isinstance(proc, ServiceProcess):
+        return f"service on {proc.path} (pid {proc.pid}) ended this trainer's session or died"
     code = proc.exitcode
     if code is None:
         return f"(pid {proc.pid}) did not answer in time"

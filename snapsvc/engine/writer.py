@@ -108,6 +108,10 @@ class SnapshotWriter:
             the newest N memory-only snapshots per series the sidecar holds; seconds a
             sidecar whose trainer died without :meth:`close` stays, its queue written, for
             the next writer of this directory to take over (``writer.attached``).
+        service: the socket of a ``snapsvc serve`` to attach to instead of starting a
+            sidecar (an error names it if none answers). Without it, a service registered
+            for ``directory`` is used when one runs. The service's own ``--keep``,
+            ``--remote`` and RAM tier apply; :meth:`close` leaves it running.
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -124,7 +128,7 @@ class SnapshotWriter:
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
                  remote_options: Mapping[str, Any] | None = None,
                  persist_every: int | None = None, keep_in_memory: int = 1,
-                 linger: float = 0.0) -> None:
+                 linger: float = 0.0, service: str | os.PathLike[str] | None = None) -> None:
         _check_options(slots=slots, policy=policy, keep_last=keep_last, nice=nice,
                        compress_level=compress_level, incremental=incremental,
                        max_slot_bytes=max_slot_bytes, persist_every=persist_every,
@@ -139,6 +143,7 @@ class SnapshotWriter:
         self.drain_timeout = drain_timeout
         self.overlap = overlap
         self.sigterm = sigterm
+        self.service = os.path.abspath(service) if service is not None else None
         options = {"keep_last": keep_last, "compress_level": compress_level, "nice": nice,
                    "fault_hook": fault_hook, "remote": self.remote, "directory": self.directory,
                    "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,

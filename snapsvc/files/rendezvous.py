@@ -22,9 +22,13 @@ from ..errors import UnsafePathError
 from ..format import protocol
 from .ramtier import check_private
 
-__all__ = ["runtime_dir", "socket_path", "peer_uid", "attach", "ATTACH"]
+__all__ = ["runtime_dir", "socket_path", "peer_uid", "attach", "ATTACH", "HELLO", "BUSY",
+           "register_service",
+           "unregister_service", "service_socket"]
 
 ATTACH = "attach"
+HELLO = "hello"   # trainer <-> service: the handshake (then the claim lock's fd, the sentinel's)
+BUSY = "busy"     # service -> trainer: another trainer is attached
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -35,13 +39,56 @@ def runtime_dir(create: bool = False) -> str | None:
     return path if check_private(path, create) else None
 
 
-def socket_path(directory: str, create: bool = False) -> str | None:
+def socket_path(directory: str, create: bool = False, suffix: str = ".sock") -> str | None:
     """The socket a lingering sidecar of ``directory`` listens on (None: no runtime folder)."""
     folder = runtime_dir(create)
     if folder is None:
         return None
     key = hashlib.sha256(os.path.abspath(directory).encode()).hexdigest()[:16]
-    return os.path.join(folder, f"{key}.sock")
+    return os.path.join(folder, key + suffix)
+
+
+def register_service(directory: str, sock: str) -> str:
+    """Record that a service of ``directory`` listens on ``sock``; the record's path."""
+    record = socket_path(directory, create=True, suffix=".service")
+    assert record is not None
+    temp = f"{record}.{os.getpid()}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.path.abspath(sock) + "\n")
+    os.replace(temp, record)
+    return record
+
+
+def unregister_service(directory: str, sock: str) -> None:
+    """Remove the record of ``directory`` if it still names ``sock`` (a newer service's stays)."""
+    record = socket_path(directory, suffix=".service")
+    if record is not None and service_socket(directory) == os.path.abspath(sock):
+        try:
+            os.unlink(record)
+        except FileNotFoundError:
+            pass
+
+
+def service_socket(directory: str) -> str | None:
+    """The socket a registered service of ``directory`` listens on, or None.
+    The record must be a plain file of this user (never a symlink)."""
+    record = socket_path(directory, suffix=".service")
+    if record is None:
+        return None
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UnsafePathError(f"{record} cannot be read safely ({e}): remove it") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise UnsafePathError(f"{record} is owned by uid {st.st_uid} with mode "
+                                  f"{st.st_mode & 0o777:o}; expected this user's (uid "
+                                  f"{os.getuid()}), 0600: refused; remove it")
+        return f.read(4096).strip() or None
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -74,7 +121,8 @@ def attach(directory: str, timeout: float = 30.0) -> dict[str, Any] | None:
         conn.send_bytes(protocol.pack(ATTACH, pid=os.getpid()))
         if not conn.poll(timeout):
             return None
-        return protocol.unpack(conn.recv_bytes())
+        state = protocol.unpack(conn.recv_bytes())
+        return state if state["op"] == ATTACH else None  # a busy service's answer: nothing
     except (EOFError, OSError):  # it reached its deadline as we came
         return None
     finally:

@@ -22,6 +22,8 @@ What each module holds::
     writes.py   its writing half: a slot's encoders, the durable write, keep_last,
                 the RAM tier's copies (persist=False, keep_in_memory)
     linger.py   after the trainer died (linger > 0): wait for the next one to take over
+    serve.py    ``snapsvc serve``: the loop as a service of its own, one trainer at a time
+                on a Unix socket, its RAM copies and keep_last kept across trainers
 
 Imports: ``remote``, ``files``, ``format`` and ``errors``, none of which
 imports torch; nothing above it. The trainer's side never imports this

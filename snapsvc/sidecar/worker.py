@@ -99,7 +99,8 @@ class _Sidecar:
         self.later: _Later | None = None
         self.uploads_started = False
         self.slots: dict[int, _Slot] = {}
-        self.parent = os.getppid()
+        self.parent: int | None = os.getppid()  # None: a service's session, no parent to watch
+        self.stopping = False  # set by a service's SIGTERM: finish what is in the socket, end
         self.reports_lost = False
         self.orphaned = False  # the trainer died without STOP: linger may apply
         self.failures: list[dict[str, Any]] = []  # failed writes no trainer heard of
@@ -212,8 +213,9 @@ class _Sidecar:
             if self.later is not None and self.later.ready():
                 self.files().rotate_released()  # also starts the uploader, once imported
             if not self.req.poll(_PARENT_POLL_S):
-                if os.getppid() != self.parent:
-                    log.warning("trainer %d is gone; finishing what it handed over", self.parent)
+                if self.stopping or (self.parent is not None and os.getppid() != self.parent):
+                    log.warning("trainer %d is gone or the service stops; finishing what it "
+                                "handed over", self.parent)
                     self.orphaned = True
                     self.drain()
                     return
