@@ -10,6 +10,7 @@ the reader thread; no lock is held while a handle's callbacks run.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -50,7 +51,7 @@ class Book:
         self.pending: dict[int, Pending] = {}
         # written locally, remote copy not yet reported: seq -> (handle, sidecar gen)
         self.uploading: dict[int, tuple[WriteHandle, int]] = {}
-        self.dirs: set[str] = set()
+        self.dirs: set[str] = set()  # made already: see make_dir
         self.seq = 0
         self.active = 0          # submits past the open check, not yet queued or failed
         self.broken: BrokenWriterError | None = None
@@ -60,6 +61,16 @@ class Book:
                        "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0,
                        "uploaded": 0, "upload_failed": 0}
         self.stalls: deque[float] = deque(maxlen=10_000)
+
+    def make_dir(self, directory: str) -> None:
+        """Make a checkpoint's directory, once per writer (submit's hot path
+        skips the ``makedirs`` system calls after the first)."""
+        with self.cond:
+            if directory in self.dirs:
+                return
+        os.makedirs(directory, exist_ok=True)
+        with self.cond:
+            self.dirs.add(directory)
 
     def check_open(self) -> None:
         """Raise if closing (cond held)."""

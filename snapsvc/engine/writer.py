@@ -108,10 +108,9 @@ class SnapshotWriter:
             the newest N memory-only snapshots per series the sidecar holds; seconds a
             sidecar whose trainer died without :meth:`close` stays, its queue written, for
             the next writer of this directory to take over (``writer.attached``).
-        service: the socket of a ``snapsvc serve`` to attach to instead of starting a
-            sidecar (an error names it if none answers). Without it, a service registered
-            for ``directory`` is used when one runs. The service's own ``--keep``,
-            ``--remote`` and RAM tier apply; :meth:`close` leaves it running.
+        service: a ``snapsvc serve`` socket to attach to (default: the service registered
+            for ``directory``, if one runs); its ``--keep``, ``--remote`` and RAM tier apply,
+            and :meth:`close` leaves it running.
 
     ``stats()["staged_bytes"]`` counts what was copied. Every public method
     may be called from any thread.
@@ -294,14 +293,8 @@ class SnapshotWriter:
                  optimizer: bool = False) -> str:
         """The checked absolute path; its directory is made (once) when ``create``."""
         full = check_path(self.directory, path, optimizer=optimizer, remote=self.remote)
-        directory = os.path.dirname(full)
         if create:
-            with self._book.cond:
-                known = directory in self._book.dirs
-            if not known:
-                os.makedirs(directory, exist_ok=True)
-                with self._book.cond:
-                    self._book.dirs.add(directory)
+            self._book.make_dir(os.path.dirname(full))
         return full
 
     # -- waits -----------------------------------------------------------------
