@@ -27,11 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
-from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
+from ..errors import ArchitectureMismatchError, FormatError, StrictLoadError, \
+    UnsupportedStateError
+from ..files.checkpoint import Checkpoint, LoadReport, model_tensors, plan_load, read_verified
 from ..files.meta import Meta, checkpoint_names, optim_path, read_meta, read_with_data
+from .apply import Plan, apply
 from .readback import restore_state
-from .tree import set_model_extra_states
+from .tree import plan_model_extra_states
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]
@@ -152,7 +154,8 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
     stateful objects; non-tensor values come back in ``report.state``.
     The :class:`LoadReport`'s ``epoch``, ``metrics`` and ``extra`` come from
     the metadata. Everything is read and checked (each file's size and CRC-32
-    against the metadata too) before anything changes.
+    against the metadata too) before anything changes; what fails while
+    applying (a ``set_extra_state`` that raises) undoes every change.
     """
     path = os.fspath(path)
     if isinstance(target, Mapping):
@@ -169,10 +172,16 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
                               "(submit(..., optimizer=opt) saves it)", path=path)
         optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
-    report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
-    set_model_extra_states(model, meta.extra_state, report)
+    report, targets = plan_load(ckpt, model, strict=strict)  # checks every tensor
+    plan = Plan(report=report)
+    plan.extras = plan_model_extra_states(model, meta.extra_state, report)
+    if strict and (report.skipped or report.missing):  # the extra states' names
+        raise StrictLoadError(
+            f"{path}: strict load: extra states {report.skipped[:5]} not in the model, "
+            f"{report.missing[:5]} not in the checkpoint; pass strict=False to load the overlap")
+    plan.copies = [(name, t, ckpt.entries[name]) for name, t in targets]
     if optim_sd is not None:
-        optimizer.load_state_dict(optim_sd)
+        plan.loads.append(("optimizer", optimizer, optim_sd))
+    apply(plan)  # nothing has changed before this; it undoes what it did if it fails
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
     return report
-
