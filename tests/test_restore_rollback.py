@@ -133,3 +133,61 @@ def test_strict_checks_extra_states_before_anything_changes(saved):
     with pytest.raises(snapsvc.StrictLoadError, match="_extra_state"):
         snapsvc.restore(saved, model, strict=True)
     assert_bit_identical(before, model.state_dict())
+
+
+# ----------------------------------------------------------------------------------
+# item 7: the rollback undoes every object, even past an undo step that raises
+# ----------------------------------------------------------------------------------
+class Boom(torch.Tensor):
+    """A tensor whose in-place copy fails: nothing can tell in advance."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("boom")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Counter:
+    """A stateful object whose load_state_dict works once: the undo call raises."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.loads = n, 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loads += 1
+        if self.loads > 1:
+            raise OSError("cannot load twice")
+        self.n = sd["n"]
+
+
+def state(seed: int) -> dict:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (seed + 1), momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    model(torch.rand(5, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    return {"model": model, "opt": opt, "sched": sched, "custom": Counter(seed),
+            "w": torch.rand(3)}
+
+
+def test_an_undo_that_raises_does_not_stop_the_rollback(tmp_path):
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        path = w.submit(state(1), "s.fdl").result(timeout=60).path
+    live = state(2)
+    live["w"] = torch.zeros(3).as_subclass(Boom)  # fails last, after every object changed
+    before = {k: snapshot(live[k]) for k in ("model", "opt", "sched")}
+    with pytest.raises(snapsvc.RollbackError) as info:
+        snapsvc.restore(path, live)
+    err = info.value
+    assert err.failed == ["custom"] and "'custom'" in str(err) and "cannot load twice" in str(err)
+    assert isinstance(err.__cause__, RuntimeError) and "boom" in str(err.__cause__)
+    assert isinstance(err, snapsvc.SnapsvcError)
+    for k, sd in before.items():  # restored before "custom" in order, undone after it
+        assert_bit_identical(sd, live[k].state_dict(), k)
+    assert live["custom"].n == 1  # the one not put back holds the checkpoint's state, as named
