@@ -1,4 +1,6 @@
-"""The checkpoint API: save, load, inspect and migrate ``.fdl`` files.
+"""The checkpoint API: save, load and inspect ``.fdl`` files.
+
+(``migrate_checkpoint`` is :mod:`snapsvc.state.migrate`: it renames optimizer state too.)
 
 Loading follows flodl's rules (``shared/FORMAT.md``): exact-name matching
 against parameters and persistent buffers, a shape mismatch is an error, a
@@ -34,7 +36,6 @@ __all__ = [
     "Checkpoint",
     "FileStats",
     "LoadReport",
-    "MigrateReport",
     "save_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
@@ -43,7 +44,6 @@ __all__ = [
     "checkpoint_version",
     "copy_problem",
     "file_framing",
-    "migrate_checkpoint",
     "plan_load",
     "structural_hash",
     "layout_hash",
@@ -513,62 +513,3 @@ def load_checkpoint(src: PathOrFile, model: nn.Module, *, structural_hash: HashL
     """
     return load_into(read_checkpoint(src), model, structural_hash=structural_hash,
                      strict=strict)
-
-
-# -- migrate -------------------------------------------------------------------
-@dataclass
-class MigrateReport:
-    """How :func:`migrate_checkpoint` mapped old entries onto the model."""
-
-    unchanged: list[str] = field(default_factory=list)
-    remapped: list[tuple[str, str]] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-
-    def is_complete(self) -> bool:
-        """True when nothing was dropped and nothing is missing."""
-        return not self.dropped and not self.missing
-
-    def __str__(self) -> str:
-        lines = [f"Migration: {len(self.unchanged)} unchanged, {len(self.remapped)} remapped, "
-                 f"{len(self.dropped)} dropped, {len(self.missing)} missing"
-                 + (" (complete)" if self.is_complete() else " (incomplete)")]
-        lines += [f"  remapped: {old} -> {new}" for old, new in self.remapped]
-        lines += [f"  dropped:  {name}" for name in self.dropped]
-        lines += [f"  missing:  {name}" for name in self.missing]
-        return "\n".join(lines)
-
-
-def migrate_checkpoint(src: PathOrFile, dst: PathOrFile, model: nn.Module) -> MigrateReport:
-    """Rewrite a checkpoint under ``model``'s names (flodl's two passes).
-
-    Pass 1 keeps entries whose name and shape match a model tensor. Pass 2
-    gives each unmatched model tensor, in model order, the first unused entry
-    (file order) of the same shape and dtype. The output is in model order
-    with a zero structural hash.
-    """
-    ckpt = read_checkpoint(src)
-    targets = model_tensors(model)
-    report = MigrateReport()
-    chosen: dict[str, str] = {}  # model name -> checkpoint name
-    for name, t in targets:
-        old = ckpt.entries.get(name)
-        if old is not None and old.shape == t.shape:
-            chosen[name] = name
-            report.unchanged.append(name)
-    used = set(chosen.values())
-    for name, t in targets:
-        if name in chosen:
-            continue
-        for old_name, old in ckpt.entries.items():
-            if old_name not in used and old.shape == t.shape and old.dtype == t.dtype:
-                chosen[name] = old_name
-                used.add(old_name)
-                report.remapped.append((old_name, name))
-                break
-        else:
-            report.missing.append(name)
-    report.dropped = [n for n in ckpt.entries if n not in used]
-    out = [(name, ckpt.entries[chosen[name]]) for name, _ in targets if name in chosen]
-    encode_to(dst, out, bytes(fdl.HASH_LEN))
-    return report
