@@ -174,11 +174,11 @@ def _extra_states(saved: dict[str, Any] | None, model: nn.Module, names: dict[st
             o, n = o[:-1], n[:-1]
             moves.setdefault(".".join(o), set()).add(".".join(n))
     live = {key for key, _ in extra_states(model)}
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in saved.items():
         module = key[: -len(_EXTRA)].rstrip(".")
         to = moves.get(module, {module})
-        new = f"{next(iter(to))}.{_EXTRA}".lstrip(".") if len(to) == 1 else None
+        new = f"{next(iter(to))}.{_EXTRA}".lstrip(".") if len(to) == 1 else ""
         if new not in live:
             report.dropped.append(key)
             continue
