@@ -17,11 +17,9 @@ with warnings.catch_warnings():
 from .files.checkpoint import (
     Checkpoint,
     LoadReport,
-    MigrateReport,
     checkpoint_keys,
     checkpoint_version,
     load_checkpoint,
-    migrate_checkpoint,
     read_checkpoint,
     save_checkpoint,
     structural_hash,
@@ -52,6 +50,7 @@ from .errors import (
     EncodeError,
     FormatError,
     PathError,
+    RollbackError,
     UnsupportedStateError,
     ShapeMismatchError,
     SlotBudgetError,
@@ -69,6 +68,7 @@ from .engine.snapshot import ModelSnapshot, load_snapshot, snapshot_cpu
 from .files.verify import VerifyReport
 from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
+from .state.migrate import MigrateReport, migrate_checkpoint
 from .state.readback import load as _load
 from .files.ramtier import latest, read_first
 
@@ -127,6 +127,7 @@ __all__ = [
     "WriteFailedError",
     "WriterClosedError",
     "TargetNotWritableError",
+    "RollbackError",
     "UploadError",
     "UnsafePathError",
     "DistributedCheckpointError",

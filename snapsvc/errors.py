@@ -25,6 +25,7 @@ __all__ = [
     "PathError",
     "CheckpointNotFoundError",
     "TargetNotWritableError",
+    "RollbackError",
     "WriterClosedError",
     "UploadError",
     "UnsafePathError",
@@ -161,6 +162,22 @@ class CheckpointNotFoundError(SnapsvcError, FileNotFoundError):
 class TargetNotWritableError(SnapsvcError, ValueError):
     """A live tensor that a restore would copy into cannot be written in place
     (an inference tensor, an ``expand()``ed view); found before anything changes."""
+
+
+class RollbackError(SnapsvcError):
+    """A restore failed while applying, and undoing it failed too for some objects.
+
+    Every other object was put back as it was; ``failed`` names (as the
+    restore's report does) each one that could not be, and may hold the
+    checkpoint's state or a mix. The error that made the restore fail is
+    ``__cause__``; each undo's own error is in ``errors``.
+    """
+
+    def __init__(self, message: str, *, failed: list[str],
+                 errors: list[BaseException]) -> None:
+        super().__init__(message)
+        self.failed = list(failed)
+        self.errors = list(errors)
 
 
 class WriterClosedError(SnapsvcError, RuntimeError):

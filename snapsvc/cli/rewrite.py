@@ -11,7 +11,7 @@ from typing import Callable
 from torch import nn
 
 from ..errors import SnapsvcError
-from ..files.checkpoint import migrate_checkpoint
+from ..state.migrate import migrate_checkpoint
 from ..files.convert import convert_file, file_format
 from .core import EXIT_INCOMPLETE, EXIT_OK, ProgressBar, UsageError, human_bytes, register
 

@@ -3,7 +3,7 @@
 What each module holds::
 
     durable.py     temp file -> fsync -> rename -> directory fsync; stale temps; fault hooks
-    checkpoint.py  one .fdl file: save, read, read_verified, load into a model, migrate
+    checkpoint.py  one .fdl file: save, read, read_verified, load into a model
     metafile.py    the .meta file beside a checkpoint; every file name of a checkpoint; the
                    durable write of a checkpoint from encoders (no torch: the sidecar's)
     meta.py        metafile, plus writing (name, tensor) pairs and reading with the data file

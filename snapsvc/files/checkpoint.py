@@ -1,4 +1,6 @@
-"""The checkpoint API: save, load, inspect and migrate ``.fdl`` files.
+"""The checkpoint API: save, load and inspect ``.fdl`` files.
+
+(``migrate_checkpoint`` is :mod:`snapsvc.state.migrate`: it renames optimizer state too.)
 
 Loading follows flodl's rules (``shared/FORMAT.md``): exact-name matching
 against parameters and persistent buffers, a shape mismatch is an error, a
@@ -22,7 +24,8 @@ from torch import nn
 
 from isal import isal_zlib
 
-from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, StrictLoadError
+from ..errors import (ArchitectureMismatchError, FormatError, ShapeMismatchError,
+                      StrictLoadError, TargetNotWritableError)
 from ..format import fdl
 from .durable import commit
 from .metafile import FileStats, file_framing, stage_checkpoint_file
@@ -33,15 +36,15 @@ __all__ = [
     "Checkpoint",
     "FileStats",
     "LoadReport",
-    "MigrateReport",
     "save_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
     "read_verified",
     "checkpoint_keys",
     "checkpoint_version",
+    "copy_problem",
     "file_framing",
-    "migrate_checkpoint",
+    "plan_load",
     "structural_hash",
     "layout_hash",
     "model_tensors",
@@ -428,9 +431,30 @@ def _where(ckpt: Checkpoint) -> str:
     return f"{ckpt.path}: " if ckpt.path else ""
 
 
-def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike = None,
-              strict: bool = False) -> LoadReport:
-    """Apply flodl's loading rules for an already decoded checkpoint."""
+def copy_problem(target: torch.Tensor, saved: torch.Tensor) -> str | None:
+    """Why copying ``saved`` into the live ``target`` in place would fail, do
+    nothing, or lose data; None when it is fine. Checked before anything changes."""
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        return ("an inference tensor (made under torch.inference_mode), which cannot be "
+                "written outside it; restore into a tensor made outside inference mode")
+    if target.is_meta:  # copy_ into it does nothing, silently
+        return ("on the meta device, with no memory to restore into; materialize the "
+                "model first (model.to_empty(device=...))")
+    if torch._debug_has_internal_overlap(target) == 1:  # MemOverlap::Yes: copy_ refuses it
+        return ("a view whose elements share memory (an expand()ed tensor); restore into "
+                "a tensor with memory of its own (.clone())")
+    if saved.is_complex() and not target.is_complex():  # copy_ drops the imaginary part
+        return (f"a {str(target.dtype).removeprefix('torch.')} tensor, and the checkpoint's "
+                f"is {str(saved.dtype).removeprefix('torch.')}: copying would drop the "
+                "imaginary part; restore into a complex tensor")
+    return None
+
+
+def plan_load(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike = None,
+              strict: bool = False) -> tuple[LoadReport, list[tuple[str, torch.Tensor]]]:
+    """Check ``ckpt`` against ``model`` by flodl's rules (hash, shapes, ``strict``)
+    and that every target can be written; nothing changes. Returns the report
+    and the (name, live tensor) pairs to copy ``ckpt.entries[name]`` into."""
     expected = _hash_bytes(structural_hash if structural_hash is not None
                            else _structural_hash(model))
     if ckpt.structural_hash is not None and any(expected) \
@@ -450,6 +474,10 @@ def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike =
             raise ShapeMismatchError(
                 f"{_where(ckpt)}entry {name!r}: checkpoint shape {list(t.shape)} "
                 f"but model shape {list(target.shape)}")
+        problem = copy_problem(target, t)
+        if problem:
+            raise TargetNotWritableError(f"{_where(ckpt)}entry {name!r}: the model's tensor "
+                                         f"is {problem}")
         report.loaded.append(name)
     report.missing = [n for n in targets if n not in ckpt.entries]
     if strict and (report.skipped or report.missing):
@@ -457,13 +485,20 @@ def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike =
             f"{_where(ckpt)}strict load: {len(report.skipped)} entries not in the model "
             f"{report.skipped[:5]}, {len(report.missing)} model tensors not in the file "
             f"{report.missing[:5]}; pass strict=False to load the overlap")
+    return report, [(name, targets[name]) for name in report.loaded]
+
+
+def load_into(ckpt: Checkpoint, model: nn.Module, *, structural_hash: HashLike = None,
+              strict: bool = False) -> LoadReport:
+    """Apply flodl's loading rules for an already decoded checkpoint: everything
+    checked (:func:`plan_load`), then copied."""
+    report, copies = plan_load(ckpt, model, structural_hash=structural_hash, strict=strict)
     with torch.no_grad():  # in place: optimizers keep their references
-        for name in report.loaded:
-            target = targets[name]
+        for name, target in copies:
             # from pinned memory (read_verified(pin_memory=True)) a copy to CUDA is async DMA
             target.copy_(ckpt.entries[name], non_blocking=target.is_cuda)
     # Done before returning: the source may be a buffer freed with ``ckpt``.
-    for device in {targets[name].device for name in report.loaded if targets[name].is_cuda}:
+    for device in {target.device for _, target in copies if target.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
     return report
 
@@ -478,62 +513,3 @@ def load_checkpoint(src: PathOrFile, model: nn.Module, *, structural_hash: HashL
     """
     return load_into(read_checkpoint(src), model, structural_hash=structural_hash,
                      strict=strict)
-
-
-# -- migrate -------------------------------------------------------------------
-@dataclass
-class MigrateReport:
-    """How :func:`migrate_checkpoint` mapped old entries onto the model."""
-
-    unchanged: list[str] = field(default_factory=list)
-    remapped: list[tuple[str, str]] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-
-    def is_complete(self) -> bool:
-        """True when nothing was dropped and nothing is missing."""
-        return not self.dropped and not self.missing
-
-    def __str__(self) -> str:
-        lines = [f"Migration: {len(self.unchanged)} unchanged, {len(self.remapped)} remapped, "
-                 f"{len(self.dropped)} dropped, {len(self.missing)} missing"
-                 + (" (complete)" if self.is_complete() else " (incomplete)")]
-        lines += [f"  remapped: {old} -> {new}" for old, new in self.remapped]
-        lines += [f"  dropped:  {name}" for name in self.dropped]
-        lines += [f"  missing:  {name}" for name in self.missing]
-        return "\n".join(lines)
-
-
-def migrate_checkpoint(src: PathOrFile, dst: PathOrFile, model: nn.Module) -> MigrateReport:
-    """Rewrite a checkpoint under ``model``'s names (flodl's two passes).
-
-    Pass 1 keeps entries whose name and shape match a model tensor. Pass 2
-    gives each unmatched model tensor, in model order, the first unused entry
-    (file order) of the same shape and dtype. The output is in model order
-    with a zero structural hash.
-    """
-    ckpt = read_checkpoint(src)
-    targets = model_tensors(model)
-    report = MigrateReport()
-    chosen: dict[str, str] = {}  # model name -> checkpoint name
-    for name, t in targets:
-        old = ckpt.entries.get(name)
-        if old is not None and old.shape == t.shape:
-            chosen[name] = name
-            report.unchanged.append(name)
-    used = set(chosen.values())
-    for name, t in targets:
-        if name in chosen:
-            continue
-        for old_name, old in ckpt.entries.items():
-            if old_name not in used and old.shape == t.shape and old.dtype == t.dtype:
-                chosen[name] = old_name
-                used.add(old_name)
-                report.remapped.append((old_name, name))
-                break
-        else:
-            report.missing.append(name)
-    report.dropped = [n for n in ckpt.entries if n not in used]
-    out = [(name, ckpt.entries[chosen[name]]) for name, _ in targets if name in chosen]
-    encode_to(dst, out, bytes(fdl.HASH_LEN))
-    return report

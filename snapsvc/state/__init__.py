@@ -8,6 +8,8 @@ What each module holds::
     memo.py     the parts of the last walk that the next may take as they are
     readback.py that tree back: load() into values, restore into live objects
     resume.py   optimizer state as file entries; restore(path, model | mapping)
+    apply.py    a checked restore applied to live objects, all or nothing
+    migrate.py  a checkpoint and its companions under a renamed model's names
 
 Imports: ``files``, ``format`` and ``errors``.
 """

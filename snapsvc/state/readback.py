@@ -8,22 +8,21 @@ fails.
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 import torch
 from torch import nn
 
-from ..files.checkpoint import LoadReport, persistent_buffers
+from ..files.checkpoint import LoadReport, copy_problem, persistent_buffers
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
     StrictLoadError, TargetNotWritableError
 from ..files.meta import read_meta, read_with_data
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
+from .apply import Plan, apply
 from .paths import path_name, show
 from .tree import INLINE_DTYPES, extra_states
 
@@ -136,14 +135,6 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
 
 
 # -- restoring into live objects ------------------------------------------------------
-@dataclass
-class _Plan:
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    loads: list[tuple[Any, Any]] = field(default_factory=list)  # (object, state dict)
-    extras: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, extra state)
-    report: LoadReport = field(default_factory=LoadReport)
-
-
 @dataclass(frozen=True)
 class _ExtraState:
     """A restore target: the extra state of ``module`` (``set_extra_state``)."""
@@ -151,21 +142,10 @@ class _ExtraState:
     module: nn.Module
 
 
-def _unwritable(t: torch.Tensor) -> str | None:
-    """Why ``copy_`` into ``t`` would fail, or None."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        return ("an inference tensor (made under torch.inference_mode), which cannot be "
-                "written outside it; restore into a tensor made outside inference mode")
-    if torch._debug_has_internal_overlap(t) == 1:  # MemOverlap::Yes: copy_ refuses it
-        return ("a view whose elements share memory (an expand()ed tensor); restore into "
-                "a tensor with memory of its own (.clone())")
-    return None
-
-
 class _Matcher:
     def __init__(self, where: str) -> None:
         self.where = where
-        self.plan = _Plan()
+        self.plan = Plan()
 
     def tensor(self, live: torch.Tensor, saved: Any, path: tuple) -> None:
         if not isinstance(saved, torch.Tensor):
@@ -174,10 +154,10 @@ class _Matcher:
         if saved.shape != live.shape:
             raise ShapeMismatchError(f"{self.where}: {show(path)}: checkpoint shape "
                                      f"{list(saved.shape)} but live shape {list(live.shape)}")
-        problem = _unwritable(live)
+        problem = copy_problem(live, saved)
         if problem:
             raise TargetNotWritableError(f"{self.where}: {show(path)} is {problem}")
-        self.plan.copies.append((live, saved))
+        self.plan.copies.append((path_name(path), live, saved))
         self.plan.report.loaded.append(path_name(path))
 
     def same_class(self, live: Any, saved: Any, path: tuple) -> None:
@@ -196,7 +176,7 @@ class _Matcher:
         if isinstance(live, torch.Tensor):
             self.tensor(live, value, path)
         elif isinstance(live, _ExtraState):
-            self.plan.extras.append((live.module, value))
+            self.plan.extras.append((path_name(path), live.module, value))
             self.plan.report.loaded.append(path_name(path))
         elif isinstance(live, nn.Module):
             self.module(live, value, path)
@@ -209,7 +189,7 @@ class _Matcher:
             if not isinstance(value, dict):
                 raise ArchitectureMismatchError(f"{self.where}: {show(path)} holds a "
                                                 f"{type(value).__name__}, not a state dict")
-            self.plan.loads.append((live, value))
+            self.plan.loads.append((path_name(path), live, value))
             self.plan.report.restored.append(path_name(path))
         elif isinstance(live, Mapping):
             self.mapping(live, value, path)
@@ -266,7 +246,7 @@ class _Matcher:
             if type(index) is not int or not 0 <= index < count or not isinstance(state, dict):
                 raise FormatError(f"{show(path)}: optimizer state for parameter {index!r}, "
                                   f"which the optimizer lacks", path=self.where)
-        self.plan.loads.append((live, saved))
+        self.plan.loads.append((path_name(path), live, saved))
         self.plan.report.restored.append(path_name(path))
 
 
@@ -290,42 +270,7 @@ def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
             f"{path}: strict restore: {len(report.skipped)} saved paths not in the target "
             f"{report.skipped[:5]}, {len(report.missing)} target paths not in the checkpoint "
             f"{report.missing[:5]}; pass strict=False to restore the overlap")
-    _apply(m.plan)
+    apply(m.plan)
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
     report.state = _Rebuild({}, path, keep_objects=False)(saved)  # objects -> their state
     return report
-
-
-def _apply(plan: _Plan) -> None:
-    """Everything checked: load objects, set extra states, copy tensors; all or nothing.
-
-    What the checks cannot foresee (a ``load_state_dict`` or ``copy_`` that
-    raises) undoes every change already made, in reverse order, then
-    re-raises. The undo keeps: an optimizer's previous ``state_dict()`` (its
-    tensors by reference: loading replaces them, never writes into them),
-    a deep copy of every other object's state, and a CPU copy of each live
-    tensor before it is overwritten (so a restore holds up to the restored
-    tensors' size in extra host memory until it returns).
-    """
-    undo: list[Callable[[], Any]] = []
-    try:
-        for obj, sd in plan.loads:
-            previous = obj.state_dict()
-            if not isinstance(obj, torch.optim.Optimizer):
-                previous = copy.deepcopy(previous)
-            undo.append(functools.partial(obj.load_state_dict, previous))  # undoes a half-load too
-            obj.load_state_dict(sd)
-        for module, state in plan.extras:
-            undo.append(functools.partial(module.set_extra_state,
-                                          copy.deepcopy(module.get_extra_state())))
-            module.set_extra_state(state)
-        with torch.no_grad():
-            for live, saved in plan.copies:
-                previous = live.detach().to("cpu", copy=True)
-                live.copy_(saved)
-                undo.append(functools.partial(live.copy_, previous))
-    except BaseException:
-        with torch.no_grad():
-            for step in reversed(undo):
-                step()
-        raise

@@ -27,16 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
-from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
+from ..errors import ArchitectureMismatchError, FormatError, StrictLoadError, \
+    UnsupportedStateError
+from ..files.checkpoint import Checkpoint, LoadReport, model_tensors, plan_load, read_verified
 from ..files.meta import Meta, checkpoint_names, optim_path, read_meta, read_with_data
+from .apply import Plan, apply
 from .readback import restore_state
-from .tree import set_model_extra_states
+from .tree import plan_model_extra_states
 
-__all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
-           "restore"]
+__all__ = ["OPTIM_SEP", "optim_path", "optimizer_state", "optimizer_state_dict",
+           "checkpoint_files", "read_optim_file", "restore"]
 
-_SEP = ":"
+OPTIM_SEP = ":"  # an optimizer file's entry: "<param name>:<state key>"
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -74,7 +76,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
         name = names[id(p)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors.append((f"{name}{_SEP}{key}", value))
+                tensors.append((f"{name}{OPTIM_SEP}{key}", value))
             else:
                 scalars.setdefault(name, {})[key] = _plain(value, f"state {name!r} key {key!r}")
     info = {"class": type(optimizer).__name__, "groups": groups, "scalars": scalars}
@@ -99,7 +101,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
     index = {name: i for i, name in enumerate(n for g in saved for n in g)}
     state: dict[int, dict[str, Any]] = {}
     for entry, t in tensors.items():
-        name, _, key = entry.rpartition(_SEP)
+        name, _, key = entry.rpartition(OPTIM_SEP)
         if name not in index:
             raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
         state.setdefault(index[name], {})[key] = t
@@ -128,7 +130,7 @@ def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
     return read_with_data(path, meta, shared_buffer=True, pin_memory=_on_cuda(model))
 
 
-def _read_optim_file(path: str, meta: Meta) -> Checkpoint:
+def read_optim_file(path: str, meta: Meta) -> Checkpoint:
     """The optimizer file beside ``path``, checked against ``meta.optimizer``
     while read; its tensors are the optimizer's new state, so each is its own."""
     opath = optim_path(path)
@@ -152,7 +154,8 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
     stateful objects; non-tensor values come back in ``report.state``.
     The :class:`LoadReport`'s ``epoch``, ``metrics`` and ``extra`` come from
     the metadata. Everything is read and checked (each file's size and CRC-32
-    against the metadata too) before anything changes.
+    against the metadata too) before anything changes; what fails while
+    applying (a ``set_extra_state`` that raises) undoes every change.
     """
     path = os.fspath(path)
     if isinstance(target, Mapping):
@@ -167,12 +170,18 @@ def restore(path: str | os.PathLike[str], target: nn.Module | Mapping[Any, Any],
         if not meta.optimizer:
             raise FormatError("no optimizer state was saved with this checkpoint "
                               "(submit(..., optimizer=opt) saves it)", path=path)
-        optim_sd = optimizer_state_dict(optimizer, model, _read_optim_file(path, meta).entries,
+        optim_sd = optimizer_state_dict(optimizer, model, read_optim_file(path, meta).entries,
                                         meta.optimizer, optim_path(path))
-    report = load_into(ckpt, model, strict=strict)  # checks everything, then copies
-    set_model_extra_states(model, meta.extra_state, report)
+    report, targets = plan_load(ckpt, model, strict=strict)  # checks every tensor
+    plan = Plan(report=report)
+    plan.extras = plan_model_extra_states(model, meta.extra_state, report)
+    if strict and (report.skipped or report.missing):  # the extra states' names
+        raise StrictLoadError(
+            f"{path}: strict load: extra states {report.skipped[:5]} not in the model, "
+            f"{report.missing[:5]} not in the checkpoint; pass strict=False to load the overlap")
+    plan.copies = [(name, t, ckpt.entries[name]) for name, t in targets]
     if optim_sd is not None:
-        optimizer.load_state_dict(optim_sd)
+        plan.loads.append(("optimizer", optimizer, optim_sd))
+    apply(plan)  # nothing has changed before this; it undoes what it did if it fails
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
     return report
-

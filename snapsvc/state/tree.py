@@ -52,7 +52,7 @@ from .memo import Part, WalkMemo, leaves, same, walk
 from .paths import MAX_DEPTH, model_key, path_name, show
 
 __all__ = ["Flat", "StepState", "flatten", "check_plain", "dtensor_type", "is_dtensor",
-           "extra_states", "model_extra_states", "set_model_extra_states", "INLINE_DTYPES"]
+           "extra_states", "model_extra_states", "plan_model_extra_states", "INLINE_DTYPES"]
 
 _I64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
 _PLAIN = (str, bytes, bool, float, type(None))
@@ -397,17 +397,21 @@ def model_extra_states(m: nn.Module) -> dict[str, Any] | None:
             for key, mod in found} if found else None
 
 
-def set_model_extra_states(m: nn.Module, saved: dict[str, Any] | None, report: LoadReport) -> None:
-    """Give ``m``'s submodules their saved extra states; the rest go in ``report``."""
+def plan_model_extra_states(m: nn.Module, saved: dict[str, Any] | None, report: LoadReport
+                            ) -> list[tuple[str, nn.Module, Any]]:
+    """(key, submodule, saved state) for each of ``m``'s extra states the
+    metadata holds (a model submit's); the rest go in ``report``. Nothing changes."""
     saved = saved or {}
     live = dict(extra_states(m))
+    plan = []
     for key, mod in live.items():
         if key in saved:
-            mod.set_extra_state(saved[key])
+            plan.append((key, mod, saved[key]))
             report.loaded.append(key)
         else:
             report.missing.append(key)
     report.skipped += [key for key in saved if key not in live]
+    return plan
 
 
 def check_plain(value: Any, what: str) -> Any:

@@ -1,0 +1,100 @@
+"""The last step of every restore: a checked plan applied to live objects, all or nothing.
+
+Both forms of :func:`snapsvc.restore` (a model, a mapping of live objects)
+check everything they can first (names, shapes, classes, that each live
+tensor can be written), then hand a :class:`Plan` to :func:`apply`. What
+the checks cannot foresee (a ``load_state_dict`` or ``set_extra_state``
+that raises, a ``copy_`` that fails) undoes every change already made.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import RollbackError
+from ..files.checkpoint import LoadReport
+
+__all__ = ["Plan", "apply"]
+
+
+@dataclass
+class Plan:
+    """What a checked restore will change, each step named as the report names it."""
+
+    loads: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, object, state dict)
+    extras: list[tuple[str, nn.Module, Any]] = field(default_factory=list)  # (name, module, state)
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (name, live tensor, saved tensor)
+    report: LoadReport = field(default_factory=LoadReport)
+
+
+def apply(plan: Plan) -> None:
+    """Load objects, set extra states, copy tensors; all or nothing.
+
+    On a failure every change already made is undone, in reverse order, and
+    the error is raised again, noting which step failed (Python 3.11+); if
+    some undo steps raise, the others still run and :class:`RollbackError`
+    names the objects that could not be put back. The
+    undo keeps: an optimizer's previous ``state_dict()`` (its tensors by
+    reference: loading replaces them, never writes into them), a deep copy of
+    every other object's state, and a CPU copy of each live tensor before it
+    is overwritten (so a restore holds up to the restored tensors' size in
+    extra host memory until it returns).
+    """
+    undo: list[tuple[str, Callable[[], Any]]] = []
+    step = ""
+    try:
+        for step, obj, sd in plan.loads:
+            previous = obj.state_dict()
+            if not isinstance(obj, torch.optim.Optimizer):
+                previous = copy.deepcopy(previous)
+            undo.append((step, functools.partial(obj.load_state_dict, previous)))  # a half-load too
+            obj.load_state_dict(sd)
+        for step, module, state in plan.extras:
+            undo.append((step, functools.partial(module.set_extra_state,
+                                                 copy.deepcopy(module.get_extra_state()))))
+            module.set_extra_state(state)
+        with torch.no_grad():
+            for step, live, saved in plan.copies:
+                previous = live.detach().to("cpu", copy=True)
+                # from pinned memory (read_verified(pin_memory=True)) a copy to CUDA is async DMA
+                live.copy_(saved, non_blocking=live.is_cuda)
+                undo.append((step, functools.partial(live.copy_, previous)))
+            step = "copying to CUDA"
+            # Done before returning: the source may be a buffer freed with the checkpoint.
+            for device in {live.device for _, live, _ in plan.copies if live.is_cuda}:
+                torch.cuda.current_stream(device).synchronize()
+    except BaseException as e:
+        if hasattr(e, "add_note"):  # 3.11+: the error keeps its type and says where
+            e.add_note(f"snapsvc.restore: failed at {step!r}; every change made before it "
+                       "was undone")
+        _undo(undo, e)
+        raise
+
+
+def _undo(undo: list[tuple[str, Callable[[], Any]]], cause: BaseException) -> None:
+    """Every step of ``undo``, in reverse order, even past one that raises: an
+    object left restored would pass for rolled back. RollbackError (from
+    ``cause``) names each one that could not be put back."""
+    failed: list[str] = []
+    errors: list[BaseException] = []
+    with torch.no_grad():
+        for name, back in reversed(undo):
+            try:
+                back()
+            except Exception as e:  # noqa: BLE001 - each one reported below, none lost
+                failed.append(name)
+                errors.append(e)
+    if failed:
+        raise RollbackError(
+            f"restore failed ({type(cause).__name__}: {cause}), and {len(failed)} of the "
+            f"objects it changed could not be put back: {', '.join(map(repr, failed))} "
+            f"({'; '.join(f'{type(x).__name__}: {x}' for x in errors)}); they may hold the "
+            "checkpoint's state: restore them again, or rebuild them",
+            failed=failed, errors=errors) from cause
