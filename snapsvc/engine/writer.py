@@ -103,11 +103,10 @@ class SnapshotWriter:
             how long :meth:`close` waits for uploads.
         remote_options: passed to obstore's ``from_url`` (and to the boto3 client
             that aborts leftover multipart uploads); checked here.
-        persist_every, keep_in_memory, linger: the restart tier (docs/restart.md):
-            persist the K-th, 2K-th, ... submit of each series, the others held in RAM only;
-            the newest N memory-only snapshots per series the sidecar holds; seconds a
-            sidecar whose trainer died without :meth:`close` stays, its queue written, for
-            the next writer of this directory to take over (``writer.attached``).
+        persist_every: persist the K-th, 2K-th, ... submit of each series, the others RAM only.
+        keep_in_memory: the memory-only snapshots of each series the sidecar holds.
+        linger: seconds a sidecar whose trainer died without :meth:`close` waits for the
+            next writer of ``directory`` (``writer.attached``; docs/restart.md).
         service: a ``snapsvc serve`` socket to attach to (default: the service registered
             for ``directory``, if one runs); its ``--keep``, ``--remote`` and RAM tier apply,
             and :meth:`close` leaves it running.
