@@ -93,7 +93,9 @@ def verify(path: str | os.PathLike[str], *, require_meta: bool = True) -> Verify
         problems.append(f"{path}: a directory, not a checkpoint file")
         return report
     if os.path.islink(path):  # ModelCheckpoint(save_last="link"): metadata and companions lie beside
-        path = os.path.realpath(path)   # the checkpoint it points at, and loads read through it
+        target = os.path.realpath(path)   # the checkpoint it points at, and loads read through it;
+        if os.path.exists(target):        # not a /proc/self/fd link to an unnamed (memfd) file
+            path = target
     try:
         report.meta = read_meta(path)
     except FormatError as e:
