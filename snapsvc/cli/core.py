@@ -16,7 +16,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 from tqdm import tqdm
 
@@ -74,7 +74,7 @@ def register(name: str, *, help: str, arguments: Callable[[argparse.ArgumentPars
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
 

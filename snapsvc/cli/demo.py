@@ -91,7 +91,7 @@ def run_demo(directory: str = "checkpoints", *, steps: int = 300, every: int = 2
                          "raw_ms": 1e3 * raw_s, "durable_ms": 1e3 * r.total_s})
     total_s = time.perf_counter() - t_start
 
-    last = os.path.join(directory, rows[-1]["file"])
+    last = os.path.join(directory, str(rows[-1]["file"]))
     torch.manual_seed(seed + 1)  # a differently initialised model proves the restore
     fresh = _model(width)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)

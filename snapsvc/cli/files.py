@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import math
 import os
+from typing import Sequence
 
 from ..errors import SnapsvcError
 from ..files.checkpoint import file_framing
@@ -102,7 +103,7 @@ def _strict_json(value: object) -> object:
     return value
 
 
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()

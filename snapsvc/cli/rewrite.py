@@ -63,7 +63,7 @@ def load_factory(spec: str) -> Callable[[], object]:
     if not callable(obj):
         raise SnapsvcError(f"--model {spec!r}: {attr!r} is a {type(obj).__name__}, "
                            "not callable")
-    return obj  # type: ignore[return-value]
+    return obj
 
 
 def _fdl_arg(path: str, what: str) -> None:

@@ -11,6 +11,7 @@ manifest once every rank's file is durable. The future resolves then.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 from typing import Any
@@ -95,6 +96,7 @@ class SnapsvcStorageWriter(StorageWriter):
                 state[key] = data.detach()
                 size = data.numel() * data.element_size()
             else:
+                assert isinstance(data, io.BytesIO)   # what resolve_data gives a BYTE_IO item
                 state[key] = data.getvalue()
                 size = len(state[key])
             results.append(WriteResult(index=item.index, size_in_bytes=size,
@@ -108,7 +110,8 @@ class SnapsvcStorageWriter(StorageWriter):
             handle.result(timeout=self._writer.write_timeout + 2 * self._writer.coord_timeout)
         except BaseException as e:
             self._done()
-            fut.set_exception(e)
+            # torch's stub types the argument as the result type; it takes an exception
+            fut.set_exception(e)  # type: ignore[arg-type]
             return fut
         fut.set_result(results)
         return fut

@@ -152,6 +152,7 @@ class Coordinator:
             except Exception as e:   # a bug if it happens: this step fails, not the writer
                 out["error"] = f"describing its state: {_reason(e)}"
                 return out, None
+        assert item.handle.local is not None   # submit() set it, or item.error says why not
         try:
             report = item.handle.local.result(timeout=self.write_timeout)
         except TimeoutError:
@@ -175,7 +176,7 @@ class Coordinator:
         if item.records is not None:
             try:
                 entries = _entry_table(item.handle.file, item.records,
-                                       data and data["file"])
+                                       data["file"] if data else None)
             except Exception as e:
                 out["error"] = f"reading back its entry table: {_reason(e)}"
                 return out, None
@@ -288,6 +289,7 @@ class Coordinator:
         self.counts["committed"] += 1
         with self.lock:
             self.unresolved.pop(item.handle.seq, None)
+        assert report is not None   # committed: this rank's write reported durable
         _settle(item.handle, DistributedWriteReport(
             path=item.handle.path, bytes=report.bytes, entries=report.entries,
             stage_s=item.stage_s, slot_wait_s=report.slot_wait_s, queue_s=report.queue_s,

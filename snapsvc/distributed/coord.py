@@ -75,7 +75,8 @@ def _new_group(process_group: Any, timeout: float) -> Any:
     if process_group is None or process_group is dist.GroupMember.WORLD:
         return dist.new_group(backend="gloo", timeout=td)
     ranks = dist.get_process_group_ranks(process_group)
-    kwargs = dict(ranks=ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    kwargs: dict[str, Any] = dict(ranks=ranks, backend="gloo", timeout=td,
+                                  use_local_synchronization=True)
     try:  # keep group ranks equal to process_group's (torch >= 2.10 has sort_ranks)
         return dist.new_group(**kwargs, sort_ranks=False)
     except TypeError:

@@ -45,7 +45,7 @@ MANIFEST_MAGIC = "snapsvc-dist-manifest"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _MAX_MANIFEST = 64 << 20
-_MANIFEST_FORMAT = {"magic": MANIFEST_MAGIC, "version_key": "manifest_version",
+_MANIFEST_FORMAT: dict[str, Any] = {"magic": MANIFEST_MAGIC, "version_key": "manifest_version",
                     "version": MANIFEST_VERSION, "limit": _MAX_MANIFEST}
 
 

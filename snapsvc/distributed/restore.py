@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 import torch
 from torch import nn
 
@@ -167,7 +167,7 @@ def _restore_sharded(step: LocalStep, model: nn.Module,
     with torch.no_grad():   # in place: the optimizer keeps its references
         for dst, src in copies:
             (dst.to_local() if _is_dtensor(dst) else dst).copy_(src)
-    if optim_sd is not None:
+    if optimizer is not None and optim_sd is not None:   # optim_sd: only with an optimizer
         optimizer.load_state_dict(optim_sd)
     report.epoch, report.metrics = meta.epoch, dict(meta.metrics)
     report.extra = _user_extra(meta.extra)
@@ -238,9 +238,9 @@ def _read_for(reader: _PieceReader, g: Any, live: torch.Tensor | None) -> torch.
     local = reader.assemble(g, *_wanted(g, live))
     if live is None or not _is_dtensor(live) or list(live.shape) != g.shape:
         return local
-    return _dtensor_type().from_local(local.to(live.to_local().device), live.device_mesh,
-                                      live.placements, run_check=False, shape=live.shape,
-                                      stride=live.stride())
+    return cast(torch.Tensor, _dtensor_type().from_local(
+        local.to(live.to_local().device), live.device_mesh, live.placements, run_check=False,
+        shape=live.shape, stride=live.stride()))
 
 
 class _Resolve:
@@ -268,7 +268,8 @@ class _Resolve:
             if isinstance(live, torch.optim.Optimizer) and isinstance(value, dict):
                 value = self.by_name(live, value, path)
                 params = [p for g in live.param_groups for p in g["params"]]
-                state = value.get("state") if isinstance(value.get("state"), dict) else {}
+                saved_state = value.get("state")
+                state = saved_state if isinstance(saved_state, dict) else {}
                 live = {"state": {i: dict.fromkeys(keys, params[i]) for i, keys in state.items()
                                   if type(i) is int and 0 <= i < len(params)
                                   and isinstance(keys, dict)}}
@@ -303,7 +304,8 @@ class _Resolve:
             raise FormatError(f"optimizer at {path_name(path)!r}: param_groups do not match the "
                               "parameter names recorded in the manifest", path=self.where) from None
         if len(saved_groups) != len(live_groups) or any(
-                sorted(a) != sorted(b) for a, b in zip(saved_groups, live_groups)):
+                sorted(a) != sorted(cast("list[str]", b))   # None: returned above
+                for a, b in zip(saved_groups, live_groups)):
             raise ArchitectureMismatchError(
                 f"{self.where}: the optimizer at {path_name(path)!r} has param groups of "
                 f"{[len(g) for g in live_groups]} parameters, the checkpoint's "

@@ -12,7 +12,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, cast
 import torch
 from torch import nn
 
@@ -122,7 +122,8 @@ def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank:
     snapshot (one copy pass), their records in file order, and the model's description."""
     named = list(model.named_parameters())
     buffers = list(persistent_buffers(model))
-    optim, info = [], None
+    optim: list[tuple[str, torch.Tensor]] = []
+    info: dict[str, Any] | None = None
     if optimizer is not None:
         optim, info = optimizer_state(optimizer, {id(p): n for n, p in named})
     first: dict[str, torch.Tensor] = {}    # params, then optimizer state: before the buffers
@@ -172,7 +173,7 @@ class ShardMemo:
         """This rank's pieces of ``flat``'s tensors, as a Flat of its tree, and their records.
         A piece has its DTensor's name, dtype and rank: checked by the walk."""
         last, is_ = self.last, operator.is_
-        entries = [*flat.params, *flat.buffers, *flat.rest]
+        entries: list[tuple] = [*flat.params, *flat.buffers, *flat.rest]
         if len(entries) == len(last.entries) and all(map(is_, entries, last.entries)) \
                 and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)):
             return self._flat(flat, last)
@@ -209,7 +210,7 @@ class ShardMemo:
     def _flat(flat: Flat, pieces: _Pieces) -> tuple[Flat, list[dict[str, Any]]]:
         params, buffers, rest, *geometry, records = map(list, pieces.staged)
         return Flat(params, buffers, rest, flat.tree, flat.structural_hash, flat.kinds,
-                    flat.checked, tuple(geometry)), records
+                    flat.checked, cast("tuple[list, list, list]", tuple(geometry))), records
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ import operator
 import os
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -301,7 +301,8 @@ class DistributedSnapshotWriter:
                 flat, item.records, item.sharded = _state_plan(model, self.rank,
                                                                self._shard_memo)
                 item.tree = flat.tree   # its outline and digests: the coordinator's work
-                handle.local = self._writer.submit(flat, handle.file, metrics=metrics,
+                # a Flat: submit's internal form of a state taken apart (engine.plan)
+                handle.local = self._writer.submit(cast(Any, flat), handle.file, metrics=metrics,
                                                    epoch=epoch)
             elif isinstance(model, nn.Module) and _is_sharded(model):
                 self._ranged(item, "a sharded model")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -52,9 +52,10 @@ class Request:
     plain: bool = False  # its tree's mappings are all dicts: no kinds table to split off
 
 
-def _entries(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]],
-             optim: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
-             state: list[tuple[str, str, torch.Tensor]] = (),  # type: ignore[assignment]
+def _entries(params: Sequence[tuple[str, torch.Tensor]],
+             buffers: Sequence[tuple[str, torch.Tensor]],
+             optim: Sequence[tuple[str, torch.Tensor]] = (),
+             state: Sequence[tuple[str, str, torch.Tensor]] = (),
              structural_hash: str | None = None, checked: bool = False,
              geometry: tuple[list, list, list] | None = None) -> Request:
     model_pairs = [*params, *buffers, *((n, t) for _, n, t in state)]

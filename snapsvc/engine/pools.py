@@ -402,7 +402,8 @@ class SlotPools:
         return gone
 
     def _trim(self, keep: Pool | None) -> None:
-        gone, pools = [], set()
+        gone: list[Slot] = []
+        pools: set[int] = set()
         for key, pool in list(self._pools.items()):
             if pool is keep or pool.users or any(s.busy for s in pool):
                 continue

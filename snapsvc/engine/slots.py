@@ -46,6 +46,7 @@ class SlotBroker:
         posted = []
         try:   # exactly the layout told: a WRITE may send only new names
             for slot in todo:
+                assert slot.told is not None   # set above; never reset to None
                 posted.append(sidecar.post(protocol.pack(protocol.SLOT, slot=slot.id,
                                                          layout=slot.told[1].to_msg()),
                                            slot_fd(slot.flat)))

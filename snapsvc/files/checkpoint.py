@@ -17,7 +17,7 @@ import hashlib
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from ..format import fdl
 from .durable import commit
 from .metafile import FileStats, file_framing, stage_checkpoint_file
 from ..format.streams import (CRC_PIECE, GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile,
-                              is_gzip_path, open_source)
+                              ReadStream, is_gzip_path, open_source)
 
 __all__ = [
     "Checkpoint",
@@ -295,7 +295,7 @@ def _file_buffer(size: int, pin_memory: bool) -> tuple[Any, memoryview]:
     return buf, memoryview(buf)[:size]
 
 
-def _read_shared(path: str, stream: BinaryIO, tap: CrcReader, size: int, crc32: int,
+def _read_shared(path: str, stream: ReadStream, tap: CrcReader, size: int, crc32: int,
                  pin_memory: bool, recorded_in: str, framing: fdl.Framing) -> Checkpoint:
     """``read_verified(shared_buffer=True)`` of a plain file: read and check it
     whole, then decode the structure from memory."""

@@ -115,7 +115,7 @@ def _read_fdl(path: str, progress: Progress) -> TensorFile:
     assert header is not None
     progress("reading", total or 0, total)
     h = header.structural_hash
-    return TensorFile(entries, h.hex() if any(h) else None)  # type: ignore[arg-type]
+    return TensorFile(entries, h.hex() if any(h) else None)
 
 
 def read_tensors(path: str | os.PathLike[str], *, progress: Progress | None = None) -> TensorFile:

@@ -398,7 +398,7 @@ def remove_stale_temps(directory: str | os.PathLike[str],
     """Delete temp files in ``directory`` whose writing process is dead; return them.
     ``only(final name, the temp's mtime)``, when given, must say yes too (a
     directory shared across hosts, where another host's pid means nothing here)."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

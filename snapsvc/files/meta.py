@@ -54,10 +54,10 @@ def write_with_meta(path: str | os.PathLike[str], entries: Entries, meta: Meta, 
             data = fdl.Encoder(rest, framing=datafile.DATA)
     encoder = entries if isinstance(entries, framing.Encoder) \
         else fdl.Encoder(entries, structural_hash=hash_)
-    if optim is not None and not isinstance(optim[1], framing.Encoder):
-        optim = (optim[0], fdl.Encoder(optim[1]))
+    optim_encoder = None if optim is None else (
+        optim[0], optim[1] if isinstance(optim[1], framing.Encoder) else fdl.Encoder(optim[1]))
     return metafile.write_with_meta(path, encoder, meta, compress_level=compress_level,
-                                    optim=optim, data=data, trash=trash)
+                                    optim=optim_encoder, data=data, trash=trash)
 
 
 def read_with_data(path: str | os.PathLike[str], meta: "Meta", *, shared_buffer: bool = False,

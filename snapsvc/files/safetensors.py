@@ -179,18 +179,18 @@ def _read_safetensors_header(path: str) -> _StHeader:
     parsed = [_parse_entry(name, info, path, buffer_len) for name, info in header.items()]
     # The entries must tile the buffer: sorted by offsets, each begins where the
     # previous ended, the first at 0, the last at the buffer's end.
-    ordered = sorted(parsed, key=lambda e: (e.begin, e.end))
+    ordered = sorted(parsed, key=lambda p: (p.begin, p.end))
     at = 0
     prev: str | None = None
-    for e in ordered:
-        if e.begin != at:
-            what = "overlaps" if e.begin < at else f"leaves a gap of {e.begin - at} bytes after"
+    for ent in ordered:
+        if ent.begin != at:
+            what = "overlaps" if ent.begin < at else f"leaves a gap of {ent.begin - at} bytes after"
             other = repr(prev) if prev is not None else "the buffer start"
-            raise FormatError(f"data_offsets [{e.begin}, {e.end}] {what} {other} "
+            raise FormatError(f"data_offsets [{ent.begin}, {ent.end}] {what} {other} "
                               f"(which ends at {at}); tensors must be contiguous",
-                              path=path, entry=e.name)
-        at = e.end
-        prev = e.name
+                              path=path, entry=ent.name)
+        at = ent.end
+        prev = ent.name
     if at != buffer_len:
         raise FormatError(f"{buffer_len - at} bytes of the data buffer belong to no tensor "
                           f"(tensors end at {at}, the buffer at {buffer_len})",

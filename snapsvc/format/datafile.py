@@ -64,7 +64,7 @@ TAG_TO_DTYPE: dict[int, torch.dtype] = {
 DATA = framing.DATA
 
 
-def framing_of(dtype: torch.dtype) -> fdl.Framing | None:
+def framing_of(dtype: torch.dtype | None) -> fdl.Framing | None:
     """The file a tensor of ``dtype`` is written to: ``.fdl``, the data file, or None
     (a dtype snapsvc cannot store)."""
     if dtype in fdl.DTYPE_TO_TAG:

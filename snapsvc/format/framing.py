@@ -20,9 +20,12 @@ import math
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Union
 
 from ..errors import EncodeError, FormatError
+
+if TYPE_CHECKING:
+    from .streams import ReadStream, WriteStream
 
 __all__ = ["MAGIC", "VERSION", "SUPPORTED_VERSIONS", "HASH_LEN", "MAX_NAME_LEN", "MAX_NDIM",
            "FDL_TAGS", "FDL_TAG_OF", "DATA_MAGIC", "DATA_VERSION", "DATA_TAGS", "DATA_TAG_OF",
@@ -272,7 +275,7 @@ class Encoder:
         self.nbytes = len(head) + sum(sizes)
         self._scratch: bytearray | None = None
 
-    def write(self, writer: BinaryIO, *, reuse: bool = False) -> int:
+    def write(self, writer: WriteStream, *, reuse: bool = False) -> int:
         """Write the stream, with the data of now; return bytes written.
 
         Each batch goes into a fresh buffer, as ``writer`` may keep what it is
@@ -340,7 +343,7 @@ class Decoder:
     (through :meth:`_dtype` and :meth:`_read_data`).
     """
 
-    def __init__(self, stream: BinaryIO, *, size: int | None = None,
+    def __init__(self, stream: ReadStream, *, size: int | None = None,
                  seekable: bool = False, path: str | None = None,
                  framing: Framing = FDL) -> None:
         self._stream = stream

@@ -51,7 +51,7 @@ def kind_of(value: Any) -> tuple[str, str | None] | None:
         return None
     if name != "defaultdict" or value.default_factory is None:
         return name, None
-    factory = _FACTORY_NAMES.get(value.default_factory)  # type: ignore[call-overload]
+    factory = _FACTORY_NAMES.get(value.default_factory)
     if factory is None:
         raise ValueError(f"a defaultdict whose default_factory is "
                          f"{getattr(value.default_factory, '__name__', value.default_factory)!r}"
@@ -92,10 +92,10 @@ def split(roots: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
             same = t is dict and all(out[k] is v for k, v in node.items())
             return node if same else out
         if t is list or t is tuple:
-            out = [plain(v, root, path + [i]) for i, v in enumerate(node)]
-            if all(a is b for a, b in zip(out, node)):
+            items = [plain(v, root, path + [i]) for i, v in enumerate(node)]
+            if all(a is b for a, b in zip(items, node)):
                 return node
-            return tuple(out) if t is tuple else out
+            return tuple(items) if t is tuple else items
         return node
 
     return {r: plain(v, r, []) for r, v in roots.items()}, records
@@ -116,7 +116,8 @@ def join(roots: dict[str, Any], records: Any) -> dict[str, Any]:
                 or any(type(k) not in (str, int) for k in rec[1]) or rec[2] not in KINDS \
                 or (rec[3] is not None and (rec[2] != "defaultdict" or rec[3] not in FACTORIES)):
             raise ValueError(f"malformed container kind record {rec!r:.200}")
-        wanted[(rec[0], *rec[1])] = (rec[2], rec[3])
+        key = (rec[0], *rec[1])   # not in the subscript: mypy reads that as 3.11 syntax
+        wanted[key] = (rec[2], rec[3])
     used = 0
 
     def typed(node: Any, path: tuple[Any, ...]) -> Any:

@@ -19,7 +19,7 @@ import os
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Union
+from typing import Any, BinaryIO, Iterator, Protocol, Union, cast
 
 from isal import igzip, isal_zlib
 
@@ -34,12 +34,32 @@ __all__ = [
     "GzipReader",
     "MemoryReader",
     "PathOrFile",
+    "ReadStream",
+    "WriteStream",
     "is_gzip_path",
     "gzip_writer",
     "open_source",
 ]
 
 PathOrFile = Union[str, "os.PathLike[str]", BinaryIO]
+
+
+class ReadStream(Protocol):
+    """What the readers here use of a binary stream: a file opened ``"rb"`` (buffered or
+    not), or one of the readers below. ``typing.BinaryIO`` does not declare ``readinto``."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+    def readinto(self, buffer: Any, /) -> int | None: ...
+    def seekable(self) -> bool: ...
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+    def tell(self) -> int: ...
+
+
+class WriteStream(Protocol):
+    """What the writers here use of a sink: a binary file, a gzip member, a
+    :class:`~snapsvc.files.durable.DurableFile`."""
+
+    def write(self, data: Any, /) -> object: ...
 
 GZIP_MAGIC = b"\x1f\x8b"
 # isal levels run 0..3. Measured by benchmarks/codec.py on 256 MiB (2026-11-29):
@@ -54,7 +74,7 @@ def is_gzip_path(path: object) -> bool:
 
 
 @contextmanager
-def gzip_writer(raw: BinaryIO, level: int | None = None) -> Iterator[BinaryIO]:
+def gzip_writer(raw: WriteStream, level: int | None = None) -> Iterator[WriteStream]:
     """Wrap ``raw`` in one gzip member; closing it writes the trailer only."""
     level = DEFAULT_GZIP_LEVEL if level is None else level
     if not 0 <= level <= 3:
@@ -81,7 +101,7 @@ class CrcReader(io.RawIOBase):
     next to the read (it would be a second pass over memory after a large one).
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: ReadStream) -> None:
         self._raw = raw
         self.size = 0
         self.crc32 = 0
@@ -89,7 +109,7 @@ class CrcReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int | None:
         view = memoryview(b).cast("B")[:CRC_PIECE]
         n = self._raw.readinto(view)
         if n:
@@ -132,7 +152,7 @@ class MemoryReader(io.RawIOBase):
         self._pos = max(self._pos, end)
         return data
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
         data = self._view[self._pos:self._pos + len(out)]
         n = len(data)
@@ -144,9 +164,11 @@ class MemoryReader(io.RawIOBase):
 class GzipReader(io.RawIOBase):
     """A gzip decompressor that reports corruption as FormatError."""
 
-    _ERRORS = (EOFError, OSError, zlib.error, isal_zlib.error)
+    # isal_zlib.pyi declares error an Exception instance; it is the exception class
+    _ERRORS: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error,
+                                                isal_zlib.error)  # type: ignore[assignment]
 
-    def __init__(self, raw: BinaryIO, path: str | None) -> None:
+    def __init__(self, raw: ReadStream, path: str | None) -> None:
         self._gz = igzip.IGzipFile(fileobj=raw, mode="rb")
         self._path = path
         self._pos = 0
@@ -158,7 +180,7 @@ class GzipReader(io.RawIOBase):
         return FormatError(f"corrupt or truncated gzip stream ({e or type(e).__name__})",
                            path=self._path, offset=self._pos)
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:
         try:
             n = self._gz.readinto(b)
         except self._ERRORS as e:
@@ -178,14 +200,14 @@ class GzipReader(io.RawIOBase):
 class _Prefixed(io.RawIOBase):
     """Put bytes already read back in front of a non-seekable stream."""
 
-    def __init__(self, prefix: bytes, raw: BinaryIO) -> None:
+    def __init__(self, prefix: bytes, raw: ReadStream) -> None:
         self._prefix = prefix
         self._raw = raw
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int | None:
         if self._prefix:
             n = min(len(b), len(self._prefix))
             b[:n] = self._prefix[:n]
@@ -198,7 +220,7 @@ class _Prefixed(io.RawIOBase):
 class Source:
     """An opened checkpoint stream and what the decoder may assume of it."""
 
-    stream: BinaryIO
+    stream: ReadStream
     size: int | None      # uncompressed bytes left, when known
     seekable: bool
     path: str | None
@@ -207,16 +229,17 @@ class Source:
     file_size: int | None = None  # bytes on disk, for paths
 
 
-def _peek2(f: BinaryIO) -> tuple[bytes, BinaryIO]:
+def _peek2(f: BinaryIO) -> tuple[bytes, ReadStream]:
+    stream = cast(ReadStream, f)   # a binary file object reads into too; BinaryIO omits it
     if hasattr(f, "peek"):
-        return f.peek(2)[:2], f
+        return f.peek(2)[:2], stream
     if f.seekable():
         pos = f.tell()
         head = f.read(2)
         f.seek(pos)
-        return head, f
+        return head, stream
     head = f.read(2)
-    return head, _Prefixed(head, f)  # type: ignore[return-value]
+    return head, _Prefixed(head, stream)
 
 
 @contextmanager
@@ -228,6 +251,7 @@ def open_source(src: PathOrFile, *, checksum: bool = False) -> Iterator[Source]:
     seek, so no byte escapes the checksum; call ``tap.drain()`` after
     decoding to cover any the decoder left.
     """
+    path: str | None   # a file object's name, when it has one
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
         if checksum:

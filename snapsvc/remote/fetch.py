@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import threading
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, TypeVar, cast
 
 from isal import isal_zlib
 
@@ -70,7 +70,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     t.join()
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    return cast(T, box["value"])
 
 
 class _NoRoom(OSError):
@@ -197,7 +197,10 @@ def fetched(url: str, *, options: dict[str, Any] | None = None, timeout: float |
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         landings: list[_Landing] = []
-        stack.callback(lambda: [landing.close() for landing in landings])
+        @stack.callback
+        def _close_landings() -> None:
+            for landing in landings:
+                landing.close()
         try:
             store = open_store(split_url(url)[0], remote_timeout=limit, options=options)
             local = run_sync(asyncio.wait_for(_fetch(url, tmp, store, landings, progress),

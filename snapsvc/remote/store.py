@@ -41,12 +41,15 @@ import re
 import shutil
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, Mapping, cast
 
 from isal import isal_zlib
 
 from ..files.durable import commit, fsync_dir, remove_stale_temps, staged_write, TMP_SUFFIX
 from .url import SCHEMES, RemoteURL, check_key, describe, is_url, parse_url, scrub, split_url
+
+if TYPE_CHECKING:
+    from obstore.store import S3Store
 
 __all__ = ["SCHEMES", "PART", "Store", "ObjectStore", "DirStore", "StoredObject", "is_url",
            "open_store", "check_remote", "check_options", "remote_key", "split_url", "scrub",
@@ -272,7 +275,7 @@ class ObjectStore(Store):
         obstore read them (one configuration for both), the environment for the rest."""
         from botocore.config import Config
 
-        cfg = self._store.config
+        cfg = cast("S3Store", self._store).config   # an s3:// URL's store (the caller checks)
         client = self._client_options  # each request's; the caller's deadline bounds all
         virtual = str(cfg.get("virtual_hosted_style_request", "")).lower() == "true"
         return boto3.client(
@@ -391,8 +394,9 @@ class DirStore(Store):
             for d, _, _ in os.walk(self.root):
                 folder = os.path.relpath(d, self.root).replace(os.sep, "/")
                 folder = "" if folder == "." else folder + "/"
-                count += len(remove_stale_temps(
-                    d, lambda name, mtime, folder=folder: mtime < before and owned(folder + name)))
+                def stale(name: str, mtime: float, folder: str = folder) -> bool:
+                    return mtime < before and owned(folder + name)
+                count += len(remove_stale_temps(d, stale))
             return count
         return await asyncio.to_thread(sweep)
 

@@ -151,6 +151,7 @@ class _Sidecar:
         if isinstance(why, str):  # a trainer bug, reported rather than fatal to every later write
             return {**base, "ok": False, "errno": None, "filename": path,
                     "error": f"slot {msg['slot']} {why}"}
+        assert slot is not None   # an unknown slot's why is a str
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
         return files.write(why, msg, base, trash)

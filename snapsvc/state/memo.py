@@ -89,7 +89,7 @@ def is_leaf(v: Any) -> bool:
     return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
 
 
-def leaves(v: Mapping, kind: str | None) -> tuple[Any, list] | None:
+def leaves(v: Mapping, kind: tuple[str, str | None] | None) -> tuple[Any, list] | None:
     """What a memo part of mapping ``v`` is checked by: (its keys, their types and
     its kind (1 == True), its leaves), where its values are all leaves (an
     optimizer's per-parameter state), or all plain dicts of leaves (an

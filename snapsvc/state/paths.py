@@ -75,6 +75,7 @@ def find(state: Mapping, types: type | tuple[type, ...]) -> list[tuple[str, Any]
 def param_names(state: Mapping) -> dict[int, str]:
     """``id(parameter)`` -> its entry name, for every module in ``state``: the
     names a submit gives them."""
+    out: dict[int, str]
     key, out = model_key(state), {}
     own = None if key is None else segment(key)
     for where, module in find(state, nn.Module):

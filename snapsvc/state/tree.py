@@ -38,7 +38,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ from ..files.checkpoint import LoadReport, layout_hash, persistent_buffers
 from ..format import datafile, fdl, kinds
 from ..format.layout import STATE, STATE_STEP
 from ..format.protocol import ObjectNode, TensorRef
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 from .memo import Part, WalkMemo, leaves, same, walk
 from .paths import MAX_DEPTH, model_key, path_name, show
 
@@ -80,7 +83,7 @@ def dtensor_type() -> Any:
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     cls = dtensor_type()
     return cls is not None and isinstance(t, cls)
 @dataclass
@@ -145,6 +148,7 @@ class _Walker:
         self.flat.params += part.params
         self.flat.buffers += part.buffers
         self.flat.rest += part.rest
+        assert self.flat.geometry is not None   # a walk's Flat has it from the start
         for mine, its in zip(self.flat.geometry, part.geometry):
             mine += its
         if part.structural_hash is not None:
@@ -160,6 +164,7 @@ class _Walker:
                  marks: tuple[int, int, int, int], structural_hash: str | None = None) -> None:
         """Keep what was walked since ``marks`` (see :meth:`marks`) as part ``key``."""
         flat = self.flat
+        assert flat.geometry is not None and self.memo is not None   # remembered only with a memo
         params, buffers, rest = (flat.params[marks[0]:], flat.buffers[marks[1]:],
                                  flat.rest[marks[2]:])
         tensors = [t for _, t in params] + [t for _, t in buffers] + [t for _, _, t in rest]
@@ -170,7 +175,8 @@ class _Walker:
         names = {n: self.names[n] for n in [*(n for n, _ in params), *(n for n, _ in buffers),
                                             *(n for _, n, _ in rest)]}
         inner = dict(list(self.parts.items())[marks[3]:])
-        geometry = tuple(g[m:] for g, m in zip(flat.geometry, marks))
+        geometry = cast("tuple[list, list, list]",
+                        tuple(g[m:] for g, m in zip(flat.geometry, marks)))
         self.parts[key] = Part(what, list(held), self.memo.guard(tensors), picks, node,
                                 params, buffers, rest, names, structural_hash, inner, geometry)
 
@@ -304,8 +310,10 @@ class _Walker:
         # the live tensor, not detached: a memo's part finds it again by identity, or
         # by address (staging copies under no_grad)
         i = 2 if kind in (STATE, STATE_STEP) else 0 if kind == "param" else 1
-        (self.flat.params, self.flat.buffers, self.flat.rest)[i].append(
+        # the list i picks takes the tuple of its own shape
+        cast("list[tuple]", (self.flat.params, self.flat.buffers, self.flat.rest)[i]).append(
             (kind, name, t) if i == 2 else (name, t))
+        assert self.flat.geometry is not None   # a walk's Flat has it from the start
         self.flat.geometry[i].append((kind, t.shape, t.dtype))
         return TensorRef(name)
 

@@ -42,7 +42,7 @@ import os
 import queue
 import re
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -255,6 +255,7 @@ class SnapsvcCheckpointIO:
         optimizers = list(getattr(trainer, "optimizers", None) or [])
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             return False
+        assert self._writer is not None   # save_checkpoint started it before asking
         guarded = {id(o) for o, _ in self._guards}
         for opt in optimizers:
             if id(opt) not in guarded:
@@ -275,7 +276,7 @@ class SnapsvcCheckpointIO:
         for h in failed[1:]:
             log.error("snapsvc: checkpoint %s failed too: %s", h.path, h.exception())
         if failed:
-            raise failed[0].exception()
+            raise cast(BaseException, failed[0].exception())   # failed: not None
 
 
 def _remove_files(path: str) -> None:
@@ -368,7 +369,7 @@ def read(path: str, device: str | torch.device | None) -> dict[str, Any]:
     if device is None:
         return state
     from lightning_utilities.core.apply_func import apply_to_collection
-    return apply_to_collection(state, torch.Tensor, lambda t: t.to(device))
+    return cast(dict[str, Any], apply_to_collection(state, torch.Tensor, lambda t: t.to(device)))
 
 
 def _all_ranks_here() -> None:

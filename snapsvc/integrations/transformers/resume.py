@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -25,6 +25,11 @@ from ...state.readback import load
 __all__ = ["STATE_FILE", "SnapsvcResume", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("snapsvc")
+
+if TYPE_CHECKING:   # the mixin's methods use the Trainer attributes it is mixed with
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
 
 STATE_FILE = "snapsvc_state.fdl"
 
@@ -55,7 +60,7 @@ def set_rng_state(state: dict[str, Any], distributed: bool) -> None:
         set_rng_state_for_device("CUDA", torch.cuda, state, distributed)
 
 
-class SnapsvcResume:
+class SnapsvcResume(_TrainerBase):
     """The loading half of :class:`~snapsvc.transformers.SnapsvcTrainer` (a mixin
     before ``transformers.Trainer``; ``_snapsvc_loaded`` is set by the trainer)."""
 
@@ -80,7 +85,7 @@ class SnapsvcResume:
         return self._snapsvc_loaded[1].pop(key, None)
 
     @staticmethod
-    def _snapsvc_ours(checkpoint: str | None) -> bool:
+    def _snapsvc_ours(checkpoint: str | None) -> TypeGuard[str]:
         return checkpoint is not None and any(
             os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
 
@@ -112,6 +117,7 @@ class SnapsvcResume:
         if not self._snapsvc_ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.model if model is None else model
+        assert model is not None   # train() builds the model (or model_init's) before resuming
         log.info("snapsvc: loading the model from %s", resume_from_checkpoint)
         if self._snapsvc_sharded(resume_from_checkpoint):
             return self._snapsvc_restore(resume_from_checkpoint, model)
@@ -124,6 +130,7 @@ class SnapsvcResume:
         if not self._snapsvc_ours(best):
             return super()._load_best_model()
         log.info("snapsvc: loading the best model from %s (score %s)", best, self.state.best_metric)
+        assert self.model is not None   # set since train() began
         if self._snapsvc_sharded(best):
             restore_distributed(best, {"model": self.model})
             return
@@ -134,6 +141,7 @@ class SnapsvcResume:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._snapsvc_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
+        assert self.model is not None   # set since train() began
         if self._snapsvc_sharded(checkpoint):
             if self._snapsvc_loaded is None or self._snapsvc_loaded[0] != checkpoint:
                 self._snapsvc_restore(checkpoint, self.model)   # the model is its names' source
@@ -141,6 +149,8 @@ class SnapsvcResume:
         optimizer = self._snapsvc_take(checkpoint, "optimizer")
         scheduler = self._snapsvc_take(checkpoint, "scheduler")
         if optimizer is not None and scheduler is not None:  # absent: save_only_model
+            # train() creates both before resuming them, as the stock method assumes
+            assert self.optimizer is not None and self.lr_scheduler is not None
             self.optimizer.load_state_dict(optimizer)
             self.lr_scheduler.load_state_dict(scheduler)
 

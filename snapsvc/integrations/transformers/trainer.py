@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import weakref
-from typing import Any
+from typing import Any, Callable, cast
 
 import torch
 from transformers import PreTrainedModel, Trainer
@@ -101,17 +101,20 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         elif self.snapsvc_writer is None:
             # Every rank saves the same steps, so every rank is here. Leftovers of
             # a crashed run are removed before any rank writes.
+            assert self.args.output_dir is not None   # TrainingArguments defaults it
             root = os.path.join(self.args.output_dir, STAGING_PREFIX + "ranks")
             if self.args.should_save:
                 shutil.rmtree(root, ignore_errors=True)
             torch.distributed.barrier()
             self.snapsvc_writer = DistributedSnapshotWriter(root, **self.snapsvc_options).start()
-        local = getattr(self.snapsvc_writer, "writer", self.snapsvc_writer)
+        # a DistributedSnapshotWriter's this-rank SnapshotWriter is its .writer
+        local = cast(SnapshotWriter, getattr(self.snapsvc_writer, "writer", self.snapsvc_writer))
         # overlap=True: the parameter copy runs on while training goes on; the
         # optimizer's next step waits for it. Accelerate wraps the optimizer, and
         # step hooks fire on the torch optimizer inside.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         if local.overlap and self._snapsvc_guarded is not inner:
+            assert inner is not None   # a save comes from the training loop, after the optimizer
             if self._snapsvc_guard is not None:
                 self._snapsvc_guard.remove()
             self._snapsvc_guard = local.guard(inner)
@@ -239,7 +242,8 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
             model.config.dtype = str(model.dtype).removeprefix("torch.")
             model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
             if model.is_remote_code():
-                custom_object_save(model, directory, config=model.config)
+                # the stub says dict, but PreTrainedModel.save_pretrained passes its config too
+                custom_object_save(model, directory, config=model.config)  # type: ignore[arg-type]
             model.config.save_pretrained(directory)
             if model.can_generate():
                 model.generation_config.save_pretrained(directory)
@@ -269,10 +273,12 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
             if not isinstance(cb, ExportableState):
                 continue
             key = type(cb).__name__
-            if isinstance(self.state.stateful_callbacks[key], list):
-                self.state.stateful_callbacks[key].append(cb.state())
+            # annotated as a list of callbacks; TrainerState.__post_init__ makes it a dict
+            states = cast(dict[str, Any], self.state.stateful_callbacks)
+            if isinstance(states[key], list):
+                states[key].append(cb.state())
             else:
-                self.state.stateful_callbacks[key] = cb.state()
+                states[key] = cb.state()
 
     def _snapsvc_remove_leftovers(self, run_dir: str) -> None:
         """Remove hidden directories no pending commit owns (a crash left them)."""
@@ -335,7 +341,7 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         return super()._finalize_training(trial, num_train_samples, start_time)
 
 
-def _stock_load(original: Any) -> Any:
+def _stock_load(original: Callable[..., None]) -> Callable[..., None]:
     """The stock ``Trainer._load_from_checkpoint``, naming the fix for a snapsvc checkpoint."""
     @functools.wraps(original)
     def _load_from_checkpoint(self: Trainer, resume_from_checkpoint: str,
