@@ -70,6 +70,11 @@ def test_another_plugin_loads_a_checkpoint_still_being_written(tmp_path, no_leak
         reader.teardown()
 
 
+class Tested(Lit):
+    def test_step(self, batch, idx):
+        return self.validation_step(batch, idx)
+
+
 @pytest.mark.timeout(240)
 def test_test_and_resume_from_a_save_after_fit_as_with_stock(tmp_path, no_leaks):
     for io in ("default", "snapsvc"):
@@ -79,7 +84,7 @@ def test_test_and_resume_from_a_save_after_fit_as_with_stock(tmp_path, no_leaks)
         t.fit(model, data(2))
         p = str(tmp_path / f"{io}.ckpt")
         t.save_checkpoint(p)
-        tested = Lit()
+        tested = Tested()
         trainer(io, [], limit_test_batches=1).test(tested, data(1), ckpt_path=p, verbose=False)
         assert torch.equal(tested.net.weight, model.net.weight), io
         resumed = trainer(io, [], max_steps=3, limit_val_batches=0)
@@ -95,8 +100,10 @@ def test_ddp_fork_fit_returns_the_trained_model(tmp_path, no_leaks):
         torch.manual_seed(0)
         model = Lit()
         before = model.net.weight.detach().clone()
-        t = trainer(io, [], strategy="ddp_fork", devices=2, max_steps=2, limit_val_batches=0,
-                    default_root_dir=tmp_path / io)
+        plugins = [SnapsvcCheckpointIO()] if io == "snapsvc" else []
+        t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=plugins, max_steps=2,
+                       limit_val_batches=0, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path / io)
         t.fit(model, data(4))
         assert not torch.equal(model.net.weight, before), f"{io}: the parent's model was not trained"
 
