@@ -76,7 +76,8 @@ class SnapsvcCheckpointIO:
     ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
     the module docstring); the sidecar starts
     at the first save and stops at ``teardown`` (the end of each ``fit``), or
-    right after a save outside a running ``fit``, which returns once written.
+    right after a save outside a running ``fit``, which returns once written; a
+    plugin used without a trainer stops it when garbage-collected, its writes landed.
     ``timeout``: seconds that a load, a removal or the teardown waits for
     pending writes. A failed write raises on the next ``save_checkpoint``,
     load or ``teardown``, once.
