@@ -300,6 +300,13 @@ class _Pending:
         self._lock = threading.Lock()
         self._by_path: dict[str, weakref.WeakSet[WriteHandle]] = {}
 
+    def forget_all(self) -> None:
+        """In a forked child: the parent's writes resolve in the parent only (and land
+        there), so waiting on them here would never end; the lock may be held by a
+        thread the child does not have."""
+        self._lock = threading.Lock()
+        self._by_path = {}
+
     def add(self, handle: WriteHandle) -> None:
         with self._lock:
             self._by_path.setdefault(handle.path, weakref.WeakSet()).add(handle)
@@ -321,6 +328,7 @@ class _Pending:
 
 
 _PENDING = _Pending()
+os.register_at_fork(after_in_child=_PENDING.forget_all)
 
 
 def _release(writer: SnapshotWriter, removals: "queue.SimpleQueue[_Removal | None]",
