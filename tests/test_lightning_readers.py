@@ -45,8 +45,9 @@ def test_a_rank_zero_only_load_under_ddp_returns_the_checkpoint(tmp_path):
             out, _ = proc.communicate()
             pytest.fail(f"{io}: hung\n{out[-3000:]}")
         assert proc.returncode == 0, f"{io}: {out[-5000:]}"
-        got = json.loads((d / "rank0.json").read_text())
-        assert got["loaded"] == got["model"] != 0, io
+        for name in ("rank0.json", "after_fit.json"):
+            got = json.loads((d / name).read_text())
+            assert got["loaded"] == got["model"] != 0, (io, name)
 
 
 # -- item 10: a reader waits for a pending write of its path, whichever plugin owns it -----------
