@@ -71,7 +71,7 @@ def test_another_plugin_loads_a_checkpoint_still_being_written(tmp_path, no_leak
         reader.teardown()
 
 
-class Tested(Lit):
+class WithTestStep(Lit):
     def test_step(self, batch, idx):
         return self.validation_step(batch, idx)
 
@@ -85,7 +85,7 @@ def test_test_and_resume_from_a_save_after_fit_as_with_stock(tmp_path, no_leaks)
         t.fit(model, data(2))
         p = str(tmp_path / f"{io}.ckpt")
         t.save_checkpoint(p)
-        tested = Tested()
+        tested = WithTestStep()
         trainer(io, [], limit_test_batches=1).test(tested, data(1), ckpt_path=p, verbose=False)
         assert torch.equal(tested.net.weight, model.net.weight), io
         resumed = trainer(io, [], max_steps=3, limit_val_batches=0)
