@@ -29,10 +29,18 @@ after it) copies everything, and, in every mode, returns once the file is
 whole (as stock's does), then stops the sidecar. Loads, removals and ``teardown``
 wait for pending copies as for pending writes.
 
-Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` waits for rank
-0's pending write of that path, then for every rank (``torch.distributed``
-barrier), so no rank reads before the file is whole; Lightning has every
-rank load a checkpoint, as this needs.
+Readers. A load or removal of a path waits for every write of it still pending
+in this process, whichever ``SnapsvcCheckpointIO`` submitted it (a second
+Trainer, ``load_from_checkpoint``, the parent of a forked rank): each save is
+recorded in a process-wide table of pending writes by path.
+
+Multi-process (DDP): only rank 0 saves. ``load_checkpoint`` takes no collective
+(as stock's does not), so a load on rank 0 alone (a ``@rank_zero_only``
+callback) returns. The other ranks read what rank 0 wrote once
+``trainer.save_checkpoint`` returns on every rank: Lightning puts a barrier
+behind each save, and a save outside a running ``fit`` returns once written.
+A rank other than 0 reading, inside ``fit``, a checkpoint that rank 0 saved in
+that ``fit`` may find it still being written.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import os
 import queue
 import re
 import threading
+import weakref
 from typing import Any, Callable, cast
 
 import torch
@@ -67,7 +76,8 @@ class SnapsvcCheckpointIO:
     ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
     the module docstring); the sidecar starts
     at the first save and stops at ``teardown`` (the end of each ``fit``), or
-    right after a save outside a running ``fit``, which returns once written.
+    right after a save outside a running ``fit``, which returns once written; a
+    plugin used without a trainer stops it when garbage-collected, its writes landed.
     ``timeout``: seconds that a load, a removal or the teardown waits for
     pending writes. A failed write raises on the next ``save_checkpoint``,
     load or ``teardown``, once.
@@ -122,10 +132,14 @@ class SnapsvcCheckpointIO:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
         if self._writer is None:
             self._writer = SnapshotWriter(**self._options).start()
+            # used without a trainer, nothing calls teardown: dropping the plugin stops its sidecar
+            self._release = weakref.finalize(self, _release, self._writer, self._removals, self.timeout)
         fitting = self._trainer is None or self._fitting()  # used alone, with no trainer: asynchronous
         if fitting and self._writer.overlap and self._guard_optimizers():
             checkpoint = _mark_step_state(checkpoint)
-        self._handles.append(self._writer.submit(checkpoint, path))
+        handle = self._writer.submit(checkpoint, path)
+        self._handles.append(handle)
+        _PENDING.add(handle)
         if not fitting:
             # Outside a running fit (trainer.save_checkpoint after it, a Lightning
             # .temp.ckpt of a forked rank): stock's file is whole when the save returns,
@@ -135,13 +149,12 @@ class SnapsvcCheckpointIO:
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The dict saved at ``path``, once any pending write to it is done (on every rank)."""
+        """The dict saved at ``path``, once any pending write to it in this process is done."""
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"SnapsvcCheckpointIO.load_checkpoint: map_location must be None, a str or "
                             f"a torch.device, got {type(map_location).__name__}")
         path = local_path(path)
         self._wait(path)
-        _all_ranks_here()
         self._raise_failed()
         return read(path, map_location)
 
@@ -158,22 +171,18 @@ class SnapsvcCheckpointIO:
         error). A symlink is removed, not what it points at (as Lightning's own
         IO does)."""
         path = local_path(path)
-        writes = [h for h in self._handles if h.path == path and not h.done()]
+        writes = _PENDING.of(path)
         removal = _Removal(path, writes[-1] if writes else None)
         with self._lock:
             if path in self._doomed:  # removed already, not saved since (a save settles it first)
                 return
             self._doomed[path] = removal
             if self._remover is None:   # a daemon: teardown finishes what it has not
-                self._remover = threading.Thread(target=self._remove_all, args=(self._removals,),
-                                                 name="snapsvc-remove", daemon=True)
+                self._remover = threading.Thread(  # holds the plugin weakly: see _release
+                    target=_remove_all, args=(self._removals, weakref.WeakMethod(self._bury)),
+                    name="snapsvc-remove", daemon=True)
                 self._remover.start()
             self._removals.put(removal)
-
-    def _remove_all(self, removals: "queue.SimpleQueue[_Removal | None]") -> None:
-        """The removals' thread: each removal in turn, until teardown's None."""
-        while (removal := removals.get()) is not None:
-            self._bury(removal, False)
 
     def _bury(self, removal: _Removal, raise_error: bool = True) -> None:
         """Run ``removal`` (or wait for the thread running it); forget it once its files are gone.
@@ -204,6 +213,8 @@ class SnapsvcCheckpointIO:
     def teardown(self) -> None:
         """Drain pending writes and stop the sidecar; raise the first failed write."""
         writer, self._writer = self._writer, None
+        if writer is not None:
+            self._release.detach()
         try:
             if writer is not None:
                 writer.finish(timeout=self.timeout)  # overlap copies finish first
@@ -225,8 +236,8 @@ class SnapsvcCheckpointIO:
         state = getattr(trainer, "state", None)
         if state is None:
             return False
-        return (getattr(state.fn, "value", state.fn) == "fit"   # str enums: their values
-                and getattr(state.status, "value", state.status) == "running")
+        return bool(getattr(state.fn, "value", state.fn) == "fit"   # str enums: their values
+                    and getattr(state.status, "value", state.status) == "running")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a spawned process gets (``ddp_spawn``): the options only, as with
@@ -234,7 +245,7 @@ class SnapsvcCheckpointIO:
         return {"timeout": self.timeout, "options": self._options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(timeout=state["timeout"], **state["options"])
+        SnapsvcCheckpointIO.__init__(self, timeout=state["timeout"], **state["options"])
 
     def pending(self, path: str | os.PathLike[str]) -> bool:
         """Whether a write to ``path`` is still in the sidecar."""
@@ -264,9 +275,13 @@ class SnapsvcCheckpointIO:
 
     def _wait(self, path: str) -> None:
         self._settle(path)
-        if self._writer is not None:
-            for name in {path, os.path.realpath(path)}:  # a link's target may be the pending one
-                self._writer.wait_path(name, timeout=self.timeout)
+        for name in {path, os.path.realpath(path)}:  # a link's target may be the pending one
+            for write in _PENDING.of(name):  # this plugin's or another's; its error is its owner's
+                try:
+                    write.exception(timeout=self.timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"{name}: its pending write did not finish within "
+                                       f"{self.timeout} s (SnapsvcCheckpointIO(timeout=...))") from None
 
     def _raise_failed(self) -> None:
         """Raise the first failed write (each only once); forget finished ones."""
@@ -277,6 +292,69 @@ class SnapsvcCheckpointIO:
             log.error("snapsvc: checkpoint %s failed too: %s", h.path, h.exception())
         if failed:
             raise cast(BaseException, failed[0].exception())   # failed: not None
+
+
+class _Pending:
+    """The writes still pending in this process, by path, of every plugin (weakly held)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_path: dict[str, weakref.WeakSet[WriteHandle]] = {}
+
+    def forget_all(self) -> None:
+        """In a forked child: the parent's writes resolve in the parent only (and land
+        there), so waiting on them here would never end; the lock may be held by a
+        thread the child does not have."""
+        self._lock = threading.Lock()
+        self._by_path = {}
+
+    def add(self, handle: WriteHandle) -> None:
+        with self._lock:
+            self._by_path.setdefault(handle.path, weakref.WeakSet()).add(handle)
+        handle.add_done_callback(self._discard)  # outside the lock: a done one calls it here
+
+    def _discard(self, handle: WriteHandle) -> None:
+        with self._lock:
+            writes = self._by_path.get(handle.path)
+            if writes is not None:
+                writes.discard(handle)
+                if not writes:
+                    del self._by_path[handle.path]
+
+    def of(self, path: str) -> list[WriteHandle]:
+        """The writes to ``path`` not done yet, oldest first."""
+        with self._lock:
+            writes = list(self._by_path.get(path, ()))
+        return sorted((h for h in writes if not h.done()), key=lambda h: h.seq)
+
+
+_PENDING = _Pending()
+os.register_at_fork(after_in_child=_PENDING.forget_all)
+
+
+def _release(writer: SnapshotWriter, removals: "queue.SimpleQueue[_Removal | None]",
+             timeout: float) -> None:
+    """A plugin dropped before ``teardown``: its writes land, its sidecar stops, and its
+    removals' thread ends after the removals it holds."""
+    removals.put(None)
+    try:
+        writer.finish(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a finalizer has no caller to raise to
+        log.error("snapsvc: stopping the sidecar of a dropped SnapsvcCheckpointIO failed: %s", e)
+
+
+def _remove_all(removals: "queue.SimpleQueue[_Removal | None]", bury: Callable[[], Any]) -> None:
+    """The removals' thread: each removal in turn, until teardown's None (or the plugin's end)."""
+    while (removal := removals.get()) is not None:
+        run = bury()
+        if run is not None:
+            run(removal, False)
+            del run   # not held while waiting: the plugin may go
+        else:  # the plugin was dropped: its removals still happen
+            try:
+                removal.run(600.0)
+            except Exception as e:  # noqa: BLE001 - no caller is left to raise to
+                log.warning("snapsvc: removing %s failed: %s", removal.path, e)
 
 
 def _remove_files(path: str) -> None:
@@ -370,10 +448,3 @@ def read(path: str, device: str | torch.device | None) -> dict[str, Any]:
         return state
     from lightning_utilities.core.apply_func import apply_to_collection
     return cast(dict[str, Any], apply_to_collection(state, torch.Tensor, lambda t: t.to(device)))
-
-
-def _all_ranks_here() -> None:
-    """A barrier over the default process group, when there is one of more than one rank."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
