@@ -111,7 +111,14 @@ What each module holds::
     commit.py    its committer thread: a checkpoint-<N> directory appears whole or not at all
 """
 
-from .commit import STAGING_PREFIX
-from .trainer import STATE_FILE, SnapsvcTrainer
+try:  # the extra's packages, named before anything of ours needs them
+    import accelerate  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError as e:
+    raise ImportError(f"snapsvc.transformers needs transformers and accelerate ({e.name} is "
+                      "missing): pip install 'snapsvc[transformers]'") from e
+
+from .commit import STAGING_PREFIX  # noqa: E402
+from .trainer import STATE_FILE, SnapsvcTrainer  # noqa: E402
 
 __all__ = ["SnapsvcTrainer", "STATE_FILE", "STAGING_PREFIX"]
