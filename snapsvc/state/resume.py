@@ -28,15 +28,14 @@ import torch
 from torch import nn
 
 from ..errors import ArchitectureMismatchError, FormatError, UnsupportedStateError
-from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors, read_verified
-from ..files.meta import Meta, checkpoint_names, optim_path, read_meta, read_with_data
-from .readback import restore_state
+from ..files.checkpoint import Checkpoint, LoadReport, load_into, model_tensors
+from ..files.meta import Meta, checkpoint_names, optim_path, read_companion, read_meta, \
+    read_with_data
+from .readback import OPTIM_SEP, restore_state, saved_optimizer
 from .tree import set_model_extra_states
 
 __all__ = ["optim_path", "optimizer_state", "optimizer_state_dict", "checkpoint_files",
            "restore"]
-
-_SEP = ":"
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -74,7 +73,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
         name = names[id(p)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors.append((f"{name}{_SEP}{key}", value))
+                tensors.append((f"{name}{OPTIM_SEP}{key}", value))
             else:
                 scalars.setdefault(name, {})[key] = _plain(value, f"state {name!r} key {key!r}")
     info = {"class": type(optimizer).__name__, "groups": groups, "scalars": scalars}
@@ -96,19 +95,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
         raise ArchitectureMismatchError(
             f"{where}: the optimizer's param groups {_shape(current)} do not match the saved "
             f"ones {_shape(saved)}; build the optimizer the same way")
-    index = {name: i for i, name in enumerate(n for g in saved for n in g)}
-    state: dict[int, dict[str, Any]] = {}
-    for entry, t in tensors.items():
-        name, _, key = entry.rpartition(_SEP)
-        if name not in index:
-            raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
-        state.setdefault(index[name], {})[key] = t
-    for name, values in info["scalars"].items():
-        if name not in index:
-            raise FormatError(f"optimizer state for unknown parameter {name!r}", path=where)
-        state.setdefault(index[name], {}).update(values)
-    groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
-    return {"state": state, "param_groups": groups}
+    return saved_optimizer(tensors, info, where)
 
 
 def _shape(groups: list[list[Any]]) -> str:
@@ -129,11 +116,13 @@ def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
 
 
 def _read_optim_file(path: str, meta: Meta) -> Checkpoint:
-    """The optimizer file beside ``path``, checked against ``meta.optimizer``
-    while read; its tensors are the optimizer's new state, so each is its own."""
-    opath = optim_path(path)
-    info = meta.optimizer or {}
-    return read_verified(opath, info.get("size"), info.get("crc32"))
+    """The optimizer file the metadata names beside ``path``, checked against
+    ``meta.optimizer`` while read; its tensors are the optimizer's new state,
+    so each is its own."""
+    found = read_companion(path, meta, "optimizer file")
+    if found is None:
+        raise FormatError("no optimizer state was saved with this checkpoint", path=path)
+    return found
 
 
 def _on_cuda(model: nn.Module) -> bool:
