@@ -22,7 +22,7 @@ from ..files.checkpoint import LoadReport, persistent_buffers
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
     StrictLoadError, TargetNotWritableError
-from ..files.meta import Meta, read_companion, read_meta, read_with_data
+from ..files.meta import Meta, meta_path, read_companion, read_meta, read_with_data
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 from .paths import path_name, show
 from .tree import INLINE_DTYPES, extra_states
@@ -33,7 +33,8 @@ OPTIM_SEP = ":"  # an optimizer file's entries are "<param name>:<state key>"
 
 
 # -- reading back ------------------------------------------------------------------
-def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
+def _inline_tensor(node: InlineTensor, where: str, at: tuple) -> torch.Tensor:
+    """An inline tensor of the tree (old metadata kept them), at key path ``at``."""
     dtype = INLINE_DTYPES.get(node.dtype)
     if dtype is None:
         raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
@@ -47,7 +48,8 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
                           path=where)
     if not node.data:
         return torch.empty(node.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+    return fdl.check_bools(torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape),
+                           path=meta_path(where), entry=show(at), offset=None)
 
 
 _KINDS = ("module", "optimizer", "stateful")  # the ObjectNode kinds the walker writes
@@ -60,12 +62,12 @@ class _Rebuild:
         self.keep = keep_objects
         self.used: set[str] = set()
 
-    def __call__(self, node: Any) -> Any:
+    def __call__(self, node: Any, at: tuple = ()) -> Any:
         t = type(node)
         if t is ObjectNode:
             self.check_object(node)
             if not self.keep:
-                return self(node.value)
+                return self(node.value, at)
         if t is TensorRef:
             if node.name not in self.entries:
                 raise FormatError(f"the metadata names entry {node.name!r}, which the "
@@ -73,15 +75,15 @@ class _Rebuild:
             self.used.add(node.name)
             return self.entries[node.name]
         if t is InlineTensor:
-            return _inline_tensor(node, self.where)
+            return _inline_tensor(node, self.where, at)
         if t is ObjectNode:
-            return ObjectNode(node.kind, node.cls, self(node.value))
+            return ObjectNode(node.kind, node.cls, self(node.value, at))
         if isinstance(node, dict):   # a plain dict, or a kind read_meta rebuilt
-            return kinds.like(node, {k: self(v) for k, v in node.items()})
+            return kinds.like(node, {k: self(v, at + (k,)) for k, v in node.items()})
         if t is list:
-            return [self(v) for v in node]
+            return [self(v, at + (i,)) for i, v in enumerate(node)]
         if t is tuple:
-            return tuple(self(v) for v in node)
+            return tuple(self(v, at + (i,)) for i, v in enumerate(node))
         return node
 
     def check_object(self, node: ObjectNode) -> None:
