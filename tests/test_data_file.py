@@ -383,3 +383,40 @@ def test_a_bool_byte_other_than_0_and_1_is_a_format_error_on_every_read_path(tmp
     assert e.path == named and e.offset == offset
     assert e.entry in ("mask", "state['mask']")
     assert not os.path.exists(path + ".fdl")
+
+
+@leak_checked
+def test_an_overwrite_leaves_no_companion_file_of_the_previous_checkpoint(tmp_path, capsys):
+    """Issue 30 item 8: with or without an optimizer, with or without a data file, through
+    the sidecar or a local save_file: only the new checkpoint's files stay, and
+    `snapsvc verify dir/*` passes. A name that is a checkpoint of its own stays."""
+    from snapsvc.cli import main
+    path = tmp_path / "c.fdl"
+    plain, masked = nn.Linear(2, 2), _Masked()
+    opt = torch.optim.Adam(masked.parameters())
+    masked.fc(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    every = ["c.fdl.meta", "c.optim.fdl", "c.fdl.data", "c.fdl"]
+
+    def check(want: list[str]) -> None:  # dir/*: the hidden names of old data go just after
+        assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == sorted(want)
+        assert snapsvc.checkpoint_files(path) == [str(tmp_path / n) for n in every if n in want]
+        assert main(["verify", *sorted(str(tmp_path / n) for n in want)]) == 0
+        capsys.readouterr()
+
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+        check(every)
+        w.submit(plain, "c.fdl").result(timeout=60)
+        check(["c.fdl.meta", "c.fdl"])
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+        w.submit(masked, "c.fdl").result(timeout=60)  # the data file stays, the optimizer's goes
+        check(["c.fdl.meta", "c.fdl.data", "c.fdl"])
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+    snapsvc.snapshot_cpu(plain).save_file(path)  # a local write
+    check(["c.fdl.meta", "c.fdl"])
+    snapsvc.snapshot_cpu(plain).save_file(tmp_path / "c.optim.fdl")  # a checkpoint of its own
+    snapsvc.snapshot_cpu(masked).save_file(path)
+    assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == [
+        "c.fdl", "c.fdl.data", "c.fdl.meta", "c.optim.fdl", "c.optim.fdl.meta"]
+    assert snapsvc.verify(tmp_path / "c.optim.fdl").ok and snapsvc.verify(path).ok

@@ -42,6 +42,7 @@ from .durable import DurableFile, commit, discard, staged_write
 
 __all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "FileStats",
            "meta_path", "optim_path", "data_path", "data_owner", "checkpoint_names", "companions",
+           "COMPANION_NAMES", "companion_names", "stale_companions",
            "file_framing", "stage_checkpoint_file", "stage_meta", "write_with_meta", "read_meta",
            "parse_meta", "read_msgpack_file", "unpack_msgpack_map"]
 
@@ -92,11 +93,31 @@ def data_owner(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+# How a checkpoint's companion files are named after it: the one list that
+# writes, removals, rotation, upload and verify all go by.
+COMPANION_NAMES = (optim_path, data_path)
+
+
+def companion_names(path: str | os.PathLike[str]) -> list[str]:
+    """The names of the companion files a checkpoint at ``path`` may have."""
+    return [name(path) for name in COMPANION_NAMES]
+
+
 def checkpoint_names(path: str | os.PathLike[str]) -> list[str]:
     """Every name a checkpoint at ``path`` may have files under, metadata first:
     removing them in this order never leaves a checkpoint that looks whole."""
     path = os.fspath(path)
-    return [meta_path(path), optim_path(path), data_path(path), path]
+    return [meta_path(path), *companion_names(path), path]
+
+
+def stale_companions(path: str | os.PathLike[str], written: list[str]) -> list[str]:
+    """The companion names of ``path`` that a write of the files ``written`` leaves
+    to an earlier checkpoint of that name: they go with the commit (an optimizer
+    file beside a checkpoint saved without one would look like its own). A name
+    that is a checkpoint itself (it has metadata of its own) is not a companion."""
+    mine = {os.path.abspath(w) for w in written}
+    return [n for n in companion_names(path)
+            if os.path.abspath(n) not in mine and not os.path.lexists(meta_path(n))]
 
 
 @dataclass(frozen=True)
@@ -228,7 +249,10 @@ def write_with_meta(path: str | os.PathLike[str], encoder: Encoder, meta: Meta, 
     description must already be in ``meta.optimizer``. Each file comes as an
     :class:`~snapsvc.format.framing.Encoder` (built once over a slot's spans in
     the sidecar; :func:`snapsvc.files.meta.write_with_meta` takes tensors); the
-    checkpoint's carries ``meta.structural_hash``. A failure at any
+    checkpoint's carries ``meta.structural_hash``. Companion files of an
+    earlier checkpoint of this name that this write does not replace (an
+    optimizer file, a data file) are removed with the commit
+    (:func:`stale_companions`). A failure at any
     step, a rename or an fsync included, leaves the previous files of those
     names as they were, and no temp file. ``trash``: see
     :func:`~snapsvc.files.durable.commit`.
@@ -259,7 +283,7 @@ def write_with_meta(path: str | os.PathLike[str], encoder: Encoder, meta: Meta, 
     except BaseException:
         discard(*staged)
         raise
-    commit(*staged, trash=trash)
+    commit(*staged, trash=trash, remove=stale_companions(path, [f.path for f in staged]))
     return FileStats(ck.path, ck.size, ck.crc32, stream_bytes, encode_s,
                      sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 
