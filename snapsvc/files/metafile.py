@@ -134,18 +134,30 @@ class Companion:
 
 def companions(path: str | os.PathLike[str], meta: "Meta") -> list[Companion]:
     """The files beside the checkpoint at ``path`` that ``meta`` records: the
-    optimizer file, then the data file. A recorded name that is not a file name
-    in the checkpoint's directory is a FormatError naming the metadata."""
-    out = []
-    for role, record, default, framing in (
-            ("optimizer file", meta.optimizer, optim_path(path), FDL),  # may lack "file"
-            ("data file", meta.data, data_path(path), DATA)):
+    optimizer file, then the data file. A recorded name that is not a plain file
+    name in the checkpoint's directory (a path, ``..``), or that names the
+    checkpoint, its metadata or the other companion, is a FormatError naming the
+    metadata and the field: such metadata is damaged or hostile, whatever its CRC."""
+    out: list[Companion] = []
+    optim, data = os.path.basename(optim_path(path)), os.path.basename(data_path(path))
+    taken = {os.path.basename(os.fspath(path)): "the checkpoint itself",
+             os.path.basename(meta_path(path)): "the checkpoint's metadata"}
+    for role, field_name, record, default, other, framing in (
+            ("optimizer file", "optimizer", meta.optimizer, optim, data, FDL),  # may lack "file"
+            ("data file", "data", meta.data, data, optim, DATA)):
         if not record:
             continue
-        name = record.get("file") or os.path.basename(default)
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-            raise FormatError(f"the metadata names the {role} {name!r}, not a file name",
+        name = record.get("file") or default
+        taken.setdefault(other, f"the name of the {'data' if other == data else 'optimizer'} file")
+        where = f"the metadata field {field_name!r} names the {role} {name!r}"
+        if not isinstance(name, str) or name in ("", ".", "..") \
+                or any(sep and sep in name for sep in ("/", "\0", os.sep, os.altsep)):
+            raise FormatError(f"{where}, not a file name in the checkpoint's directory",
                               path=meta_path(path))
+        if name in taken:
+            raise FormatError(f"{where}, which is {taken[name]}: the metadata is damaged",
+                              path=meta_path(path))
+        taken[name] = f"the {role}"
         out.append(Companion(role, name, record.get("size"), record.get("crc32"),
                              record.get("entries"), framing))
     return out
