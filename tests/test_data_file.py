@@ -420,3 +420,17 @@ def test_an_overwrite_leaves_no_companion_file_of_the_previous_checkpoint(tmp_pa
     assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == [
         "c.fdl", "c.fdl.data", "c.fdl.meta", "c.optim.fdl", "c.optim.fdl.meta"]
     assert snapsvc.verify(tmp_path / "c.optim.fdl").ok and snapsvc.verify(path).ok
+
+
+def test_a_remote_overwrite_leaves_no_companion_of_the_previous_copy(tmp_path, s3):
+    """Issue 30 item 8, the remote tier: the remote copy matches the local one."""
+    masked = _Masked()
+    opt = torch.optim.Adam(masked.parameters())
+    masked.fc(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with snapsvc.SnapshotWriter(tmp_path, remote=s3.url) as w:
+        w.submit(masked, "c.fdl", optimizer=opt).uploaded(timeout=60)
+        assert sorted(s3.keys()) == ["c.fdl", "c.fdl.data", "c.fdl.meta", "c.optim.fdl"]
+        w.submit(nn.Linear(2, 2), "c.fdl").uploaded(timeout=60)
+    assert sorted(s3.keys()) == ["c.fdl", "c.fdl.meta"]
+    assert list(snapsvc.load(f"{s3.url}/c.fdl")) == ["model"]

@@ -450,6 +450,10 @@ def test_companion_names_that_point_elsewhere_are_format_errors(originals, tmp_p
     good = read_fields(meta)
     for n in ("model.fdl", "model.optim.fdl"):
         s3.write(n, (tmp_path / n).read_bytes())
+    both = dict(good, data={"file": "model.fdl.data", "size": 0, "crc32": 0, "entries": 0})
+    write_fields(meta, both)
+    with pytest.raises(FileNotFoundError):  # names fine: the data file is missing
+        snapsvc.load(path)
     for (field, name), what in COMPANION_NAMES.items():
         fields = dict(good)
         fields[field] = dict(good["optimizer"], file=name) if field == "optimizer" else \

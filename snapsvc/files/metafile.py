@@ -148,14 +148,14 @@ def companions(path: str | os.PathLike[str], meta: "Meta") -> list[Companion]:
         if not record:
             continue
         name = record.get("file") or default
-        taken.setdefault(other, f"the name of the {'data' if other == data else 'optimizer'} file")
         where = f"the metadata field {field_name!r} names the {role} {name!r}"
         if not isinstance(name, str) or name in ("", ".", "..") \
                 or any(sep and sep in name for sep in ("/", "\0", os.sep, os.altsep)):
             raise FormatError(f"{where}, not a file name in the checkpoint's directory",
                               path=meta_path(path))
-        if name in taken:
-            raise FormatError(f"{where}, which is {taken[name]}: the metadata is damaged",
+        clash = taken.get(name) or (name == other and "the name of the other companion file")
+        if clash:
+            raise FormatError(f"{where}, which is {clash}: the metadata is damaged",
                               path=meta_path(path))
         taken[name] = f"the {role}"
         out.append(Companion(role, name, record.get("size"), record.get("crc32"),
