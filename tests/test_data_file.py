@@ -379,7 +379,7 @@ def test_a_bool_byte_other_than_0_and_1_is_a_format_error_on_every_read_path(tmp
     with pytest.raises(snapsvc.FormatError) as info:
         _BOOL_READS[kind](path)
     e = info.value
-    assert isinstance(e, ValueError) and "0x02" in e.reason and "0 or 1" in e.reason
+    assert isinstance(e, ValueError) and "0x02" in e.reason and "other than 0 and 1" in e.reason
     assert e.path == named and e.offset == offset
     assert e.entry in ("mask", "state['mask']")
     assert not os.path.exists(path + ".fdl")

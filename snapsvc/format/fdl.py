@@ -170,10 +170,10 @@ def check_bools(t: torch.Tensor, *, path: str | None, entry: str | None,
     if not len(bad):
         return t
     first = int(bad[0])
-    where = f"at byte {first} of its data"
     raise FormatError(f"bool tensor of shape {list(t.shape)} holds the byte "
-                      f"{int(raw[first]):#04x} {where}; a bool is 0 or 1: the file is corrupt",
-                      path=path, entry=entry, offset=None if offset is None else offset + first)
+                      f"{int(raw[first]):#04x} at byte {first} of its data, a byte other than "
+                      "0 and 1: the file is corrupt", path=path, entry=entry,
+                      offset=None if offset is None else offset + first)
 
 
 def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
