@@ -86,3 +86,25 @@ def test_a_fault_in_the_first_commit_of_a_path_leaves_no_checkpoint(tmp_path):
             if os.listdir(d):
                 left[step] = sorted(os.listdir(d))
     assert not left, f"files left by a failed first commit: {left}"
+
+
+def test_a_failed_overwrite_without_an_optimizer_keeps_the_previous_optimizer_file(tmp_path):
+    """Issue 30 item 8: the old .optim.fdl goes with the commit, so it comes back with it."""
+    model = nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    target, flag = d / "model.fdl", d / commit_hooks.FLAG
+    with snapsvc.SnapshotWriter(fault_hook=commit_hooks.fail_at) as w:
+        train(model, opt)
+        w.submit(model, target, optimizer=opt).result(timeout=60)
+        before = files_of(d)
+        for step in ("rename:meta", "fsync:dir"):
+            flag.write_text(step)
+            with pytest.raises(snapsvc.WriteFailedError):
+                w.submit(model, target).result(timeout=60)
+            flag.unlink()
+            assert files_of(d) == before, step
+            assert snapsvc.verify(target).ok, step
+        w.submit(model, target).result(timeout=60)
+    assert sorted(os.listdir(d)) == ["model.fdl", "model.fdl.meta"]

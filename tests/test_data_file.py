@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 import snapsvc
 from snapsvc.files.durable import commit
-from snapsvc.files.meta import data_path, read_meta, stage_meta
+from snapsvc.files.meta import Meta, data_path, read_meta, stage_meta, write_with_meta
 from snapsvc.format import datafile, fdl
 from snapsvc.format.protocol import InlineTensor, TensorRef
 from snapsvc.format.streams import MemoryReader
@@ -314,3 +315,122 @@ def test_declared_lengths_of_a_data_file_are_bounded_before_anything_is_allocate
         with pytest.raises(snapsvc.FormatError, match=what) as e:
             read_verified(path, len(raw), zlib.crc32(raw), framing=datafile.DATA)
         assert e.value.path == str(path) and e.value.offset is not None, what
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("mask", torch.tensor([True, False, True, True, False, True]))
+
+
+_MASK = bytes([1, 0, 1, 1, 0, 1])
+
+
+def _bad_bool_file(tmp_path, kind: str) -> tuple[str, str, int | None]:
+    """A file whose bool entry "mask" holds 0x02 at byte 1, every CRC valid; (path to
+    read, the file the error must name, the bad byte's offset there or None)."""
+    if kind in ("data file (load)", "data file (restore)"):
+        path = os.fspath(tmp_path / "m.fdl")
+        snapsvc.snapshot_cpu(_Masked()).save_file(path)
+        raw = bytearray(open(data_path(path), "rb").read())
+        at = raw.index(_MASK) + 1
+        raw[at] = 2
+        with open(data_path(path), "wb") as f:
+            f.write(raw)
+        meta = read_meta(path)
+        data = dict(meta.data, crc32=zlib.crc32(raw))
+        commit(stage_meta(path, dataclasses.replace(meta, data=data)))
+        return path, data_path(path), at
+    if kind == "metadata (inline, old format)":
+        path = os.fspath(tmp_path / "old.fdl")
+        state = {"mask": InlineTensor("bool", (2,), b"\x02\xff")}
+        write_with_meta(path, [], Meta(state=state))
+        return path, path + ".meta", None
+    mask = torch.tensor(list(_MASK), dtype=torch.uint8)
+    mask[1] = 2
+    if kind == ".safetensors":
+        path = os.fspath(tmp_path / "m.safetensors")
+        snapsvc.write_safetensors(path, [("mask", torch.ones(6, dtype=torch.bool))])
+        raw = bytearray(open(path, "rb").read())
+        at = len(raw) - 6 + 1
+        raw[at] = 2
+        open(path, "wb").write(raw)
+        return path, path, at
+    path = os.fspath(tmp_path / "m.pt")
+    torch.save({"mask": mask.view(torch.bool)}, path)
+    return path, path, None
+
+
+_BOOL_READS = {
+    "data file (load)": lambda p: snapsvc.load(p),
+    "data file (restore)": lambda p: snapsvc.restore(p, _Masked()),
+    "metadata (inline, old format)": lambda p: snapsvc.load(p),
+    ".safetensors": lambda p: snapsvc.convert_file(p, p + ".fdl"),
+    ".pt": lambda p: snapsvc.convert_file(p, p + ".fdl"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_BOOL_READS))
+def test_a_bool_byte_other_than_0_and_1_is_a_format_error_on_every_read_path(tmp_path, kind):
+    """Issue 30 item 3: torch hands out a bool tensor holding 0x02; every reader refuses it,
+    naming the file, the entry and (where the file has one) the offset."""
+    path, named, offset = _bad_bool_file(tmp_path, kind)
+    with pytest.raises(snapsvc.FormatError) as info:
+        _BOOL_READS[kind](path)
+    e = info.value
+    assert isinstance(e, ValueError) and "0x02" in e.reason and "other than 0 and 1" in e.reason
+    assert e.path == named and e.offset == offset
+    assert e.entry in ("mask", "state['mask']")
+    assert not os.path.exists(path + ".fdl")
+
+
+@leak_checked
+def test_an_overwrite_leaves_no_companion_file_of_the_previous_checkpoint(tmp_path, capsys):
+    """Issue 30 item 8: with or without an optimizer, with or without a data file, through
+    the sidecar or a local save_file: only the new checkpoint's files stay, and
+    `snapsvc verify dir/*` passes. A name that is a checkpoint of its own stays."""
+    from snapsvc.cli import main
+    path = tmp_path / "c.fdl"
+    plain, masked = nn.Linear(2, 2), _Masked()
+    opt = torch.optim.Adam(masked.parameters())
+    masked.fc(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    every = ["c.fdl.meta", "c.optim.fdl", "c.fdl.data", "c.fdl"]
+
+    def check(want: list[str]) -> None:  # dir/*: the hidden names of old data go just after
+        assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == sorted(want)
+        assert snapsvc.checkpoint_files(path) == [str(tmp_path / n) for n in every if n in want]
+        assert main(["verify", *sorted(str(tmp_path / n) for n in want)]) == 0
+        capsys.readouterr()
+
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+        check(every)
+        w.submit(plain, "c.fdl").result(timeout=60)
+        check(["c.fdl.meta", "c.fdl"])
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+        w.submit(masked, "c.fdl").result(timeout=60)  # the data file stays, the optimizer's goes
+        check(["c.fdl.meta", "c.fdl.data", "c.fdl"])
+        w.submit(masked, "c.fdl", optimizer=opt).result(timeout=60)
+    snapsvc.snapshot_cpu(plain).save_file(path)  # a local write
+    check(["c.fdl.meta", "c.fdl"])
+    snapsvc.snapshot_cpu(plain).save_file(tmp_path / "c.optim.fdl")  # a checkpoint of its own
+    snapsvc.snapshot_cpu(masked).save_file(path)
+    assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == [
+        "c.fdl", "c.fdl.data", "c.fdl.meta", "c.optim.fdl", "c.optim.fdl.meta"]
+    assert snapsvc.verify(tmp_path / "c.optim.fdl").ok and snapsvc.verify(path).ok
+
+
+def test_a_remote_overwrite_leaves_no_companion_of_the_previous_copy(tmp_path, s3):
+    """Issue 30 item 8, the remote tier: the remote copy matches the local one."""
+    masked = _Masked()
+    opt = torch.optim.Adam(masked.parameters())
+    masked.fc(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with snapsvc.SnapshotWriter(tmp_path, remote=s3.url) as w:
+        w.submit(masked, "c.fdl", optimizer=opt).uploaded(timeout=60)
+        assert sorted(s3.keys()) == ["c.fdl", "c.fdl.data", "c.fdl.meta", "c.optim.fdl"]
+        w.submit(nn.Linear(2, 2), "c.fdl").uploaded(timeout=60)
+    assert sorted(s3.keys()) == ["c.fdl", "c.fdl.meta"]
+    assert list(snapsvc.load(f"{s3.url}/c.fdl")) == ["model"]

@@ -31,6 +31,8 @@ from torch import nn
 import snapsvc
 from snapsvc import FormatError, SnapsvcError
 
+pytest_plugins = ["remote_fixtures"]  # s3: skipped without obstore, moto or boto3
+
 LONG_FUZZ = int(os.environ.get("SNAPSVC_FUZZ_EXAMPLES") or 0)
 pytestmark = pytest.mark.timeout(120 + LONG_FUZZ // 5)
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +127,8 @@ def read_everywhere(path: Path, kind: str) -> list[str]:
     calls = {"state": [lambda: snapsvc.load(path),
                        lambda: snapsvc.restore(path, {"model": fresh_target()[0]})],
              "model": [lambda: snapsvc.load_snapshot(path),
-                       lambda: snapsvc.restore(path, *fresh_target())]}[kind]
+                       lambda: snapsvc.restore(path, *fresh_target()),
+                       lambda: snapsvc.load(path)]}[kind]
     for call in calls:
         try:
             got = call()
@@ -319,12 +322,16 @@ def test_malformed_state_metadata_is_a_format_error(originals, tmp_path, case):
 @pytest.mark.parametrize("state", [[1, 2], 3, "x", None, ext(TUPLE, [1])],
                          ids=["list", "int", "str", "none", "tuple"])
 def test_load_never_returns_a_non_map(originals, tmp_path, state):
-    """A state checkpoint without tensors: nothing else would notice a replaced tree."""
+    """A state checkpoint without tensors: nothing else would notice a replaced tree.
+    No tree at all is a model checkpoint (of a model without tensors): a map too."""
     path = copy_checkpoint(originals, "plain.fdl", tmp_path)
     meta = Path(f"{path}.meta")
     fields = read_fields(meta)
     fields["state"] = state
     write_fields(meta, fields)
+    if state is None:
+        assert snapsvc.load(path) == {"model": {}}
+        return
     with pytest.raises(FormatError) as info:
         snapsvc.load(path)
     assert info.value.path == os.fspath(path) or info.value.path == os.fspath(meta)
@@ -421,3 +428,42 @@ def test_safetensors_shape_beyond_int64_is_a_format_error(tmp_path, shape):
         snapsvc.convert_file(src, tmp_path / "out.fdl")
     assert info.value.path == os.fspath(src)
     assert not (tmp_path / "out.fdl").exists()
+
+
+COMPANION_NAMES = {  # (field, the name it records) -> what it points at
+    ("optimizer", "model.fdl"): "the checkpoint", ("optimizer", "model.fdl.meta"): "its .meta",
+    ("optimizer", "model.fdl.data"): "the data file", ("data", "model.optim.fdl"): "the optimizer",
+    ("data", "model.fdl"): "the checkpoint", ("data", "model.fdl.meta"): "its .meta",
+    ("optimizer", "/tmp/model.optim.fdl"): "absolute", ("data", "/tmp/x"): "absolute",
+    ("optimizer", ".."): "..", ("data", ".."): "..", ("optimizer", "../model.optim.fdl"): "up",
+    ("optimizer", "sub/model.optim.fdl"): "separator", ("data", "sub/model.fdl.data"): "separator",
+}
+
+
+def test_companion_names_that_point_elsewhere_are_format_errors(originals, tmp_path, s3):
+    """Issue 30 item 32: a CRC-valid .meta whose optimizer or data file name is the
+    checkpoint, its .meta, the other companion, or not a plain file name here: every
+    reader, local and remote, raises FormatError naming the .meta and the field (the
+    remote fetch raised FileExistsError for the checkpoint's own name)."""
+    path = copy_checkpoint(originals, "model.fdl", tmp_path)
+    meta = Path(f"{path}.meta")
+    good = read_fields(meta)
+    for n in ("model.fdl", "model.optim.fdl"):
+        s3.write(n, (tmp_path / n).read_bytes())
+    both = dict(good, data={"file": "model.fdl.data", "size": 0, "crc32": 0, "entries": 0})
+    write_fields(meta, both)
+    with pytest.raises(FileNotFoundError):  # names fine: the data file is missing
+        snapsvc.load(path)
+    for (field, name), what in COMPANION_NAMES.items():
+        fields = dict(good)
+        fields[field] = dict(good["optimizer"], file=name) if field == "optimizer" else \
+            {"file": name, "size": 0, "crc32": 0, "entries": 0}
+        write_fields(meta, fields)
+        errors = read_everywhere(path, "model")
+        assert len(errors) == 4 and all(f"{meta}: the metadata field {field!r}" in e
+                                        for e in errors), (what, errors)
+        s3.write("model.fdl.meta", meta.read_bytes())
+        with pytest.raises(FormatError) as info:
+            snapsvc.load(f"{s3.url}/model.fdl")
+        assert info.value.path == f"{s3.url}/model.fdl.meta", what
+        assert f"field {field!r}" in info.value.reason, what

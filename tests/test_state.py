@@ -304,3 +304,50 @@ def test_every_corrupt_byte_of_the_metadata_is_refused(tmp_path):
             assert_same(got, want, f"offset {offset} flip {flip:#x}")  # never a wrong value
     meta.write_bytes(good)
     assert snapsvc.verify(tmp_path / "m.fdl").ok
+
+
+def _tuples_as_lists(groups: list) -> list:
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+
+def test_load_of_a_model_checkpoint_is_the_state_model_and_optimizer(tmp_path):
+    """Issue 30 item 9: submit(model, optimizer=) and a flodl-style save_file load as if
+    {"model": model, "optimizer": opt} had been submitted, in torch's state_dict forms."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.8, 0.99))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(model, "with.fdl", optimizer=opt).result(timeout=60)
+        w.submit(model, "without.fdl").result(timeout=60)
+    snapsvc.snapshot_cpu(model).save_file(tmp_path / "flodl.fdl")
+    for name in ("without.fdl", "flodl.fdl"):
+        got = snapsvc.load(tmp_path / name)
+        assert list(got) == ["model"], name
+        assert got["model"].keys() == model.state_dict().keys()
+        assert all(torch.equal(got["model"][k], v) for k, v in model.state_dict().items())
+    got = snapsvc.load(tmp_path / "with.fdl")
+    assert list(got) == ["model", "optimizer"]
+    # what a torch.load user does with it
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    fresh.load_state_dict(got["model"])
+    fresh_opt.load_state_dict(got["optimizer"])
+    want, have = opt.state_dict(), fresh_opt.state_dict()
+    assert _tuples_as_lists(have["param_groups"]) == _tuples_as_lists(want["param_groups"])
+    assert have["state"].keys() == want["state"].keys()
+    for i, s in want["state"].items():
+        assert have["state"][i].keys() == s.keys()
+        assert all(torch.equal(have["state"][i][k], v) for k, v in s.items())
+    # the mapping form of restore takes it too
+    target_model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    target_opt = torch.optim.Adam(target_model.parameters())
+    snapsvc.restore(tmp_path / "with.fdl", {"model": target_model, "optimizer": target_opt})
+    assert all(torch.equal(a, b) for a, b in zip(target_model.state_dict().values(),
+                                                 model.state_dict().values()))
+    assert torch.equal(target_opt.state_dict()["state"][0]["exp_avg"],
+                       want["state"][0]["exp_avg"])

@@ -181,8 +181,9 @@ class _PieceReader:
                                   f"{p.crc32:08x}: the file changed after the checkpoint was "
                                   "committed", path=p.file, offset=p.offset, entry=g.name)
         buf = entry if isinstance(entry, bytearray) else bytearray(entry)  # torch wants it writable
-        return torch.frombuffer(buf, dtype=g.dtype, offset=p.data - p.offset,
-                                count=math.prod(shape)).view(shape)
+        return fdl.check_bools(torch.frombuffer(buf, dtype=g.dtype, offset=p.data - p.offset,
+                                                count=math.prod(shape)).view(shape),
+                               path=p.file, entry=g.name, offset=p.data)
 
     @staticmethod
     def overlapping(g: _Global, offsets: list[int], lengths: list[int]

@@ -386,8 +386,9 @@ def _entries_in(path: str, buf: Any, view: memoryview, size: int,
             entries[e.name] = torch.empty(e.shape, dtype=e.dtype)
             continue
         at = reader.tell() - e.nbytes  # the decoder has just skipped the data
-        entries[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=numel, offset=at
-                                           ).view(e.shape)
+        entries[e.name] = fdl.check_bools(
+            torch.frombuffer(buf, dtype=e.dtype, count=numel, offset=at).view(e.shape),
+            path=path, entry=e.name, offset=at)
     return _checkpoint(dec, entries, path)
 
 

@@ -312,8 +312,14 @@ def staged_write(path: str | os.PathLike[str]) -> Iterator[DurableFile]:
         raise
 
 
-def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
+def commit(*files: DurableFile, trash: list[str] | None = None,
+           remove: Iterable[str] = ()) -> None:
     """Rename staged files into place in the given order, then fsync their directories.
+
+    ``remove``: files that must be gone once the commit is done (an earlier
+    write's companion files that this one does not replace); they are removed
+    just before the last file is renamed (the one that commits the rest, a
+    checkpoint's metadata), and put back if the commit fails.
 
     All or nothing: each file about to be replaced first gets a second,
     hidden name (:func:`set_aside`), so if a rename or a directory's fsync
@@ -326,8 +332,11 @@ def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
     unlinked here.
     """
     done: list[tuple[DurableFile, str | None]] = []  # renamed, with the previous file's second name
+    removed: list[tuple[str, str | None]] = []  # removed, with its second name
     try:
         for f in files:
+            if f is files[-1]:
+                removed = _remove(remove)
             _fault("rename", f.path)
             old = set_aside(f.path)
             try:
@@ -344,13 +353,43 @@ def commit(*files: DurableFile, trash: list[str] | None = None) -> None:
             files[-1].fsync_s += time.perf_counter() - t0
     except BaseException:
         _put_back(done)
+        _restore(removed)
         discard(*files)
         raise
-    olds = [old for _, old in done if old is not None]
+    olds = [old for _, old in done + removed if old is not None]
     if trash is not None:
         trash.extend(olds)
     else:
         unlink_quietly(olds)
+
+
+def _remove(paths: Iterable[str]) -> list[tuple[str, str | None]]:
+    """Remove each of ``paths`` that exists, keeping a second name to put it back
+    by (see :func:`set_aside`); (path, second name) of each removed."""
+    removed: list[tuple[str, str | None]] = []
+    try:
+        for p in paths:
+            aside = set_aside(p)
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                unlink_quietly([aside] if aside is not None else [])
+                continue
+            removed.append((p, aside))
+    except BaseException:
+        _restore(removed)
+        raise
+    return removed
+
+
+def _restore(removed: list[tuple[str, str | None]]) -> None:
+    """Undo :func:`_remove`, best effort (a file without a second name is lost)."""
+    for p, aside in reversed(removed):
+        if aside is not None:
+            try:
+                os.replace(aside, p)
+            except OSError:
+                pass
 
 
 def _put_back(done: list[tuple[DurableFile, str | None]]) -> None:

@@ -31,7 +31,7 @@ from .metafile import (DATA_SUFFIX, META_SUFFIX, META_VERSION, Companion, FileSt
 __all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "meta_path",
            "optim_path", "data_path", "data_owner", "checkpoint_names", "companions", "stage_meta",
            "write_with_meta", "read_meta", "parse_meta", "read_msgpack_file",
-           "unpack_msgpack_map", "read_with_data", "read_data_file"]
+           "unpack_msgpack_map", "read_with_data", "read_data_file", "read_companion"]
 
 Entries = Union[list[tuple[str, torch.Tensor]], framing.Encoder]
 
@@ -79,14 +79,20 @@ def read_with_data(path: str | os.PathLike[str], meta: "Meta", *, shared_buffer:
     return ckpt
 
 
+def read_companion(path: str | os.PathLike[str], meta: "Meta", role: str) -> Checkpoint | None:
+    """The companion file of ``role`` ("optimizer file", "data file") that ``meta``
+    records beside ``path``, checked against ``meta`` while read; None without one.
+    Its name is the one the metadata records (:func:`companions` checks it)."""
+    path = os.fspath(path)
+    for c in companions(path, meta):
+        if c.role == role:
+            where = os.path.join(os.path.dirname(path), c.name)
+            return read_verified(where, c.size, c.crc32, framing=c.framing)
+    return None
+
+
 def read_data_file(path: str | os.PathLike[str], meta: "Meta") -> dict[str, torch.Tensor]:
     """The entries of the data file ``meta`` records beside ``path`` (none without one),
     checked against ``meta`` while read."""
-    path = os.fspath(path)
-    for c in companions(path, meta):
-        if c.role == "data file":
-            where = os.path.join(os.path.dirname(path), c.name)
-            return read_verified(where, c.size, c.crc32, framing=c.framing).entries
-    return {}
-
-
+    found = read_companion(path, meta, "data file")
+    return {} if found is None else found.entries

@@ -42,6 +42,7 @@ from .durable import DurableFile, commit, discard, staged_write
 
 __all__ = ["META_SUFFIX", "META_VERSION", "DATA_SUFFIX", "Meta", "Companion", "FileStats",
            "meta_path", "optim_path", "data_path", "data_owner", "checkpoint_names", "companions",
+           "COMPANION_NAMES", "companion_names", "stale_companions",
            "file_framing", "stage_checkpoint_file", "stage_meta", "write_with_meta", "read_meta",
            "parse_meta", "read_msgpack_file", "unpack_msgpack_map"]
 
@@ -92,11 +93,31 @@ def data_owner(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+# How a checkpoint's companion files are named after it: the one list that
+# writes, removals, rotation, upload and verify all go by.
+COMPANION_NAMES = (optim_path, data_path)
+
+
+def companion_names(path: str | os.PathLike[str]) -> list[str]:
+    """The names of the companion files a checkpoint at ``path`` may have."""
+    return [name(path) for name in COMPANION_NAMES]
+
+
 def checkpoint_names(path: str | os.PathLike[str]) -> list[str]:
     """Every name a checkpoint at ``path`` may have files under, metadata first:
     removing them in this order never leaves a checkpoint that looks whole."""
     path = os.fspath(path)
-    return [meta_path(path), optim_path(path), data_path(path), path]
+    return [meta_path(path), *companion_names(path), path]
+
+
+def stale_companions(path: str | os.PathLike[str], written: list[str]) -> list[str]:
+    """The companion names of ``path`` that a write of the files ``written`` leaves
+    to an earlier checkpoint of that name: they go with the commit (an optimizer
+    file beside a checkpoint saved without one would look like its own). A name
+    that is a checkpoint itself (it has metadata of its own) is not a companion."""
+    mine = {os.path.abspath(w) for w in written}
+    return [n for n in companion_names(path)
+            if os.path.abspath(n) not in mine and not os.path.lexists(meta_path(n))]
 
 
 @dataclass(frozen=True)
@@ -113,18 +134,30 @@ class Companion:
 
 def companions(path: str | os.PathLike[str], meta: "Meta") -> list[Companion]:
     """The files beside the checkpoint at ``path`` that ``meta`` records: the
-    optimizer file, then the data file. A recorded name that is not a file name
-    in the checkpoint's directory is a FormatError naming the metadata."""
-    out = []
-    for role, record, default, framing in (
-            ("optimizer file", meta.optimizer, optim_path(path), FDL),  # may lack "file"
-            ("data file", meta.data, data_path(path), DATA)):
+    optimizer file, then the data file. A recorded name that is not a plain file
+    name in the checkpoint's directory (a path, ``..``), or that names the
+    checkpoint, its metadata or the other companion, is a FormatError naming the
+    metadata and the field: such metadata is damaged or hostile, whatever its CRC."""
+    out: list[Companion] = []
+    optim, data = os.path.basename(optim_path(path)), os.path.basename(data_path(path))
+    taken = {os.path.basename(os.fspath(path)): "the checkpoint itself",
+             os.path.basename(meta_path(path)): "the checkpoint's metadata"}
+    for role, field_name, record, default, other, framing in (
+            ("optimizer file", "optimizer", meta.optimizer, optim, data, FDL),  # may lack "file"
+            ("data file", "data", meta.data, data, optim, DATA)):
         if not record:
             continue
-        name = record.get("file") or os.path.basename(default)
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-            raise FormatError(f"the metadata names the {role} {name!r}, not a file name",
+        name = record.get("file") or default
+        where = f"the metadata field {field_name!r} names the {role} {name!r}"
+        if not isinstance(name, str) or name in ("", ".", "..") \
+                or any(sep and sep in name for sep in ("/", "\0", os.sep, os.altsep)):
+            raise FormatError(f"{where}, not a file name in the checkpoint's directory",
                               path=meta_path(path))
+        clash = taken.get(name) or (name == other and "the name of the other companion file")
+        if clash:
+            raise FormatError(f"{where}, which is {clash}: the metadata is damaged",
+                              path=meta_path(path))
+        taken[name] = f"the {role}"
         out.append(Companion(role, name, record.get("size"), record.get("crc32"),
                              record.get("entries"), framing))
     return out
@@ -228,7 +261,10 @@ def write_with_meta(path: str | os.PathLike[str], encoder: Encoder, meta: Meta, 
     description must already be in ``meta.optimizer``. Each file comes as an
     :class:`~snapsvc.format.framing.Encoder` (built once over a slot's spans in
     the sidecar; :func:`snapsvc.files.meta.write_with_meta` takes tensors); the
-    checkpoint's carries ``meta.structural_hash``. A failure at any
+    checkpoint's carries ``meta.structural_hash``. Companion files of an
+    earlier checkpoint of this name that this write does not replace (an
+    optimizer file, a data file) are removed with the commit
+    (:func:`stale_companions`). A failure at any
     step, a rename or an fsync included, leaves the previous files of those
     names as they were, and no temp file. ``trash``: see
     :func:`~snapsvc.files.durable.commit`.
@@ -259,7 +295,7 @@ def write_with_meta(path: str | os.PathLike[str], encoder: Encoder, meta: Meta, 
     except BaseException:
         discard(*staged)
         raise
-    commit(*staged, trash=trash)
+    commit(*staged, trash=trash, remove=stale_companions(path, [f.path for f in staged]))
     return FileStats(ck.path, ck.size, ck.crc32, stream_bytes, encode_s,
                      sum(f.write_s for f in staged), sum(f.fsync_s for f in staged))
 

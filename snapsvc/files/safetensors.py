@@ -239,10 +239,9 @@ def read_safetensors(path: str | os.PathLike[str], *,
                 got += k
                 progress("reading", done + got, total)
             done += nbytes
-            if e.dtype is torch.bool and nbytes and bool((buf > 1).any()):
-                raise FormatError("BOOL data holds bytes other than 0 and 1", path=path,
-                                  offset=header.data_start + e.begin, entry=e.name)
-            entries.append((e.name, buf.view(e.dtype).reshape(e.shape)))
+            entries.append((e.name, fdl.check_bools(buf.view(e.dtype).reshape(e.shape),
+                                                    path=path, entry=e.name,
+                                                    offset=header.data_start + e.begin)))
         progress("reading", total, total)
     return TensorFile(entries, _hash_from_metadata(header.metadata, path), header.metadata)
 

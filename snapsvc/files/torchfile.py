@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import EncodeError, FormatError
+from ..format import fdl
 from .durable import atomic_write
 from .tensors import _cpu_contiguous
 
@@ -58,7 +59,7 @@ def _tensor_mapping(obj: object, path: str, where: str = "") -> dict[str, torch.
         if not isinstance(v, torch.Tensor):
             raise FormatError(f"expected a torch.Tensor, got {type(v).__name__}; a state "
                               "dict maps names to tensors", path=path, entry=name)
-        out[k] = v
+        out[k] = fdl.check_bools(v, path=path, entry=name, offset=None)
     return out
 
 

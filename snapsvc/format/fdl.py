@@ -44,7 +44,7 @@ from typing import Any, BinaryIO, Iterable
 
 import torch
 
-from ..errors import EncodeError
+from ..errors import EncodeError, FormatError
 from . import framing as _framing
 from .framing import (FDL, HASH_LEN, MAGIC, MAX_NAME_LEN, MAX_NDIM, SUPPORTED_VERSIONS, VERSION,
                       Entry, Framing, Header, Span, check_name, check_unique, shape_problem)
@@ -73,6 +73,7 @@ __all__ = [
     "tag_dtypes",
     "span",
     "Decoder",
+    "check_bools",
 ]
 
 # flodl's tags as torch dtypes (framing.FDL_TAGS names them): both directions
@@ -156,6 +157,25 @@ def check_entries(pairs: list[tuple[str, torch.Tensor]], framing: Framing = FDL)
     return raw_names
 
 
+def check_bools(t: torch.Tensor, *, path: str | None, entry: str | None,
+                offset: int | None) -> torch.Tensor:
+    """``t``, or a :class:`FormatError` when ``t`` is a bool tensor holding a byte
+    other than 0 and 1 (torch would hand such a tensor out, and comparisons on it
+    go wrong silently). ``offset``: where ``t``'s data starts in the file, so the
+    error names the first bad byte's offset. Every reader of bool data calls this."""
+    if t.dtype is not torch.bool or not t.numel():
+        return t
+    raw = t.reshape(-1).view(torch.uint8)
+    bad = (raw > 1).nonzero()
+    if not len(bad):
+        return t
+    first = int(bad[0])
+    raise FormatError(f"bool tensor of shape {list(t.shape)} holds the byte "
+                      f"{int(raw[first]):#04x} at byte {first} of its data, a byte other than "
+                      "0 and 1: the file is corrupt", path=path, entry=entry,
+                      offset=None if offset is None else offset + first)
+
+
 def encoded_size(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Bytes the uncompressed stream for ``entries`` will take."""
     total = _framing._HEADER.size
@@ -228,4 +248,5 @@ class Decoder(_framing.Decoder):
         pieces = self._pieces(nbytes, "tensor data",
                               lambda n: torch.empty(n, dtype=torch.uint8), _byte_view)
         data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return data.view(dtype).reshape(shape)
+        return check_bools(data.view(dtype).reshape(shape), path=self._path, entry=self._entry,
+                           offset=self._pos - nbytes)

@@ -52,7 +52,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, BinaryIO, Callable, TypeVar
 
-from ..files.metafile import META_SUFFIX, checkpoint_names, companions, read_meta
+from ..files.metafile import META_SUFFIX, checkpoint_names, companions, read_meta, \
+    stale_companions
 from .store import CorruptSource, Store, open_store, remote_key
 from .upkeep import Scope, prune, series_of, start_up
 from .url import describe
@@ -81,6 +82,8 @@ class _Opened:
 
     meta: bytes
     files: list[tuple[str, BinaryIO, int, int]] = field(default_factory=list)
+    # companion keys an earlier copy of this name may have left, which this one lacks
+    stale: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         for _, f, _, _ in self.files:
@@ -383,6 +386,8 @@ class Uploader:
         for name in self.uncommit:
             await store.delete(f"{folder}/{name}".lstrip("/"))
         await store.delete(job.key + META_SUFFIX)  # uncommit an older copy of this name
+        for key in opened.stale:  # and drop its companions that this copy lacks, as locally
+            await store.delete(key)
         await asyncio.gather(*(store.put(k, f, size=s, crc32=c) for k, f, s, c in opened.files))
         await store.put(job.key + META_SUFFIX, io.BytesIO(opened.meta))  # last: the commit
 
@@ -425,6 +430,11 @@ async def retrying(attempt: Callable[[], Awaitable[T]], what: str, *, timeout: f
             await asyncio.sleep(wait)
 
 
+def _beside(key: str, name: str) -> str:
+    """The key of the file ``name`` in the folder of ``key``."""
+    return f"{key.rpartition('/')[0]}/{name}".lstrip("/")
+
+
 def _open(job: UploadJob, files_lock: threading.Lock) -> _Opened:
     """``job``'s files, opened under the writer's lock (never between a write's renames)."""
     opened = _Opened(b"")
@@ -435,10 +445,12 @@ def _open(job: UploadJob, files_lock: threading.Lock) -> _Opened:
                 opened.meta = f.read()
             opened.files.append((job.key, open(job.path, "rb"), meta.size, meta.crc32))
             folder = os.path.dirname(job.path)
-            for c in companions(job.path, meta):  # the optimizer file, the data file
-                okey = f"{job.key.rpartition('/')[0]}/{c.name}".lstrip("/")
-                opened.files.append((okey, open(os.path.join(folder, c.name), "rb"),
-                                     c.size, c.crc32))
+            beside = companions(job.path, meta)  # the optimizer file, the data file
+            for c in beside:
+                opened.files.append((_beside(job.key, c.name),
+                                     open(os.path.join(folder, c.name), "rb"), c.size, c.crc32))
+            opened.stale = [_beside(job.key, os.path.basename(n)) for n in stale_companions(
+                job.path, [os.path.join(folder, c.name) for c in beside] + [job.path])]
         except (OSError, ValueError) as e:  # gone, or unreadable metadata: final
             opened.close()
             raise GaveUp(f"{job.path}: {e}") from None

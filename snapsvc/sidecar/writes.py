@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
-from ..files.metafile import Meta, checkpoint_names, data_path, optim_path, write_with_meta
+from ..files.metafile import Meta, checkpoint_names, optim_path, write_with_meta
 from ..files.ramtier import drop, ram_path, series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
@@ -231,8 +231,6 @@ class Files:
                 stats = write_with_meta(dest, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,
                                         data=enc.data, trash=trash)
-                if enc.data is None:  # a data file an older checkpoint of this name left
-                    self.discard(data_path(dest), trash)
                 removed = self.hold(path, dest) if ram else self.prune(path, trash)
                 if not ram and self.in_ram:
                     self.forget_ram(path)

@@ -20,17 +20,20 @@ from ..files.checkpoint import LoadReport, copy_problem, persistent_buffers
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
     StrictLoadError, TargetNotWritableError
-from ..files.meta import read_meta, read_with_data
+from ..files.meta import Meta, meta_path, read_companion, read_meta, read_with_data
 from ..format.protocol import InlineTensor, ObjectNode, TensorRef
 from .apply import Plan, apply
 from .paths import path_name, show
 from .tree import INLINE_DTYPES, extra_states
 
-__all__ = ["load", "rebuild", "restore_state", "restore_tree"]
+__all__ = ["load", "rebuild", "restore_state", "restore_tree", "saved_optimizer", "OPTIM_SEP"]
+
+OPTIM_SEP = ":"  # an optimizer file's entries are "<param name>:<state key>"
 
 
 # -- reading back ------------------------------------------------------------------
-def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
+def _inline_tensor(node: InlineTensor, where: str, at: tuple) -> torch.Tensor:
+    """An inline tensor of the tree (old metadata kept them), at key path ``at``."""
     dtype = INLINE_DTYPES.get(node.dtype)
     if dtype is None:
         raise FormatError(f"inline tensor of unknown dtype {node.dtype!r}", path=where)
@@ -44,7 +47,8 @@ def _inline_tensor(node: InlineTensor, where: str) -> torch.Tensor:
                           path=where)
     if not node.data:
         return torch.empty(node.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape)
+    return fdl.check_bools(torch.frombuffer(bytearray(node.data), dtype=dtype).reshape(node.shape),
+                           path=meta_path(where), entry=show(at), offset=None)
 
 
 _KINDS = ("module", "optimizer", "stateful")  # the ObjectNode kinds the walker writes
@@ -57,12 +61,12 @@ class _Rebuild:
         self.keep = keep_objects
         self.used: set[str] = set()
 
-    def __call__(self, node: Any) -> Any:
+    def __call__(self, node: Any, at: tuple = ()) -> Any:
         t = type(node)
         if t is ObjectNode:
             self.check_object(node)
             if not self.keep:
-                return self(node.value)
+                return self(node.value, at)
         if t is TensorRef:
             if node.name not in self.entries:
                 raise FormatError(f"the metadata names entry {node.name!r}, which the "
@@ -70,15 +74,15 @@ class _Rebuild:
             self.used.add(node.name)
             return self.entries[node.name]
         if t is InlineTensor:
-            return _inline_tensor(node, self.where)
+            return _inline_tensor(node, self.where, at)
         if t is ObjectNode:
-            return ObjectNode(node.kind, node.cls, self(node.value))
+            return ObjectNode(node.kind, node.cls, self(node.value, at))
         if isinstance(node, dict):   # a plain dict, or a kind read_meta rebuilt
-            return kinds.like(node, {k: self(v) for k, v in node.items()})
+            return kinds.like(node, {k: self(v, at + (k,)) for k, v in node.items()})
         if t is list:
-            return [self(v) for v in node]
+            return [self(v, at + (i,)) for i, v in enumerate(node)]
         if t is tuple:
-            return tuple(self(v) for v in node)
+            return tuple(self(v, at + (i,)) for i, v in enumerate(node))
         return node
 
     def check_object(self, node: ObjectNode) -> None:
@@ -99,12 +103,12 @@ class _Rebuild:
 
 
 def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
-    """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree."""
+    """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree.
+    A model checkpoint reads as the state ``{"model": model, "optimizer": opt}``."""
     meta = read_meta(path)
-    if meta.state is None:
-        raise FormatError("not a nested-state checkpoint (it was submitted as a model: "
-                          "use restore(path, model) or read_checkpoint)", path=path)
     entries = read_with_data(path, meta).entries
+    if meta.state is None:
+        return meta, _model_form(path, meta, entries, keep_objects)
     rebuild = _Rebuild(entries, path, keep_objects)
     tree = rebuild(meta.state)
     unused = [n for n in entries if n not in rebuild.used]
@@ -112,6 +116,45 @@ def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
         raise FormatError(f"entries {unused[:3]} are not in the metadata's state tree: "
                           "the metadata does not belong to this checkpoint", path=path)
     return meta, tree
+
+
+def _model_form(path: str, meta: Meta, entries: dict[str, torch.Tensor],
+                keep_objects: bool) -> dict[str, Any]:
+    """A model checkpoint (``submit(model, optimizer=)``) as the nested state it
+    holds: ``{"model": state dict}``, plus ``"optimizer"`` (torch's state dict form)
+    when one was saved. The model's tensors are in file order (parameters, then
+    buffers), its extra states after them."""
+    model: dict[str, Any] = dict(entries)
+    model.update(meta.extra_state or {})
+    tree: dict[str, Any] = {"model": ObjectNode("module", "Module", model) if keep_objects
+                            else model}
+    if meta.optimizer:
+        info = meta.optimizer
+        found = read_companion(path, meta, "optimizer file")
+        assert found is not None  # meta.optimizer makes it a companion
+        sd = saved_optimizer(found.entries, info, found.path or path)
+        tree["optimizer"] = ObjectNode("optimizer", info["class"], sd) if keep_objects else sd
+    return tree
+
+
+def saved_optimizer(tensors: dict[str, torch.Tensor], info: dict[str, Any],
+                    where: str) -> dict[str, Any]:
+    """The ``state_dict()`` of the optimizer ``info`` describes (the metadata's
+    ``optimizer`` field), its tensors from ``tensors`` (the optimizer file's
+    entries): parameters are numbered in group order, as torch numbers them."""
+    index = {name: i for i, name in enumerate(n for g in info["groups"] for n in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for entry, t in tensors.items():
+        name, _, key = entry.rpartition(OPTIM_SEP)
+        if name not in index:
+            raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
+        state.setdefault(index[name], {})[key] = t
+    for name, values in info["scalars"].items():
+        if name not in index:
+            raise FormatError(f"optimizer state for unknown parameter {name!r}", path=where)
+        state.setdefault(index[name], {}).update(values)
+    groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def rebuild(tree: Any, entries: dict[str, torch.Tensor], where: str) -> tuple[Any, set[str]]:
@@ -129,7 +172,9 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
     non-finite floats come back exactly. An ``nn.Parameter`` comes back as
     a plain ``torch.Tensor`` (``requires_grad=False``), deliberately: the file
     keeps data, not autograd; ``restore`` copies it into the live parameter,
-    which stays a parameter.
+    which stays a parameter. A model checkpoint (``submit(model, optimizer=)``,
+    ``ModelSnapshot.save_file``) comes back as ``{"model": state dict}``, plus
+    ``"optimizer"`` (torch's ``state_dict()`` form) when one was saved.
     """
     return _read(os.fspath(path), keep_objects=False)[1]
 

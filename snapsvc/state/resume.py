@@ -29,16 +29,15 @@ from torch import nn
 
 from ..errors import ArchitectureMismatchError, FormatError, StrictLoadError, \
     UnsupportedStateError
-from ..files.checkpoint import Checkpoint, LoadReport, model_tensors, plan_load, read_verified
-from ..files.meta import Meta, checkpoint_names, optim_path, read_meta, read_with_data
+from ..files.checkpoint import Checkpoint, LoadReport, model_tensors, plan_load
+from ..files.meta import Meta, checkpoint_names, optim_path, read_companion, read_meta, \
+    read_with_data
 from .apply import Plan, apply
-from .readback import restore_state
+from .readback import OPTIM_SEP, restore_state, saved_optimizer
 from .tree import plan_model_extra_states
 
 __all__ = ["OPTIM_SEP", "optim_path", "optimizer_state", "optimizer_state_dict",
            "checkpoint_files", "read_optim_file", "restore"]
-
-OPTIM_SEP = ":"  # an optimizer file's entry: "<param name>:<state key>"
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -98,19 +97,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
         raise ArchitectureMismatchError(
             f"{where}: the optimizer's param groups {_shape(current)} do not match the saved "
             f"ones {_shape(saved)}; build the optimizer the same way")
-    index = {name: i for i, name in enumerate(n for g in saved for n in g)}
-    state: dict[int, dict[str, Any]] = {}
-    for entry, t in tensors.items():
-        name, _, key = entry.rpartition(OPTIM_SEP)
-        if name not in index:
-            raise FormatError(f"optimizer entry for unknown parameter {name!r}", path=where)
-        state.setdefault(index[name], {})[key] = t
-    for name, values in info["scalars"].items():
-        if name not in index:
-            raise FormatError(f"optimizer state for unknown parameter {name!r}", path=where)
-        state.setdefault(index[name], {}).update(values)
-    groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in info["groups"]]
-    return {"state": state, "param_groups": groups}
+    return saved_optimizer(tensors, info, where)
 
 
 def _shape(groups: list[list[Any]]) -> str:
@@ -131,11 +118,13 @@ def _read_model_file(path: str, meta: Meta, model: nn.Module) -> Checkpoint:
 
 
 def read_optim_file(path: str, meta: Meta) -> Checkpoint:
-    """The optimizer file beside ``path``, checked against ``meta.optimizer``
-    while read; its tensors are the optimizer's new state, so each is its own."""
-    opath = optim_path(path)
-    info = meta.optimizer or {}
-    return read_verified(opath, info.get("size"), info.get("crc32"))
+    """The optimizer file the metadata names beside ``path``, checked against
+    ``meta.optimizer`` while read; its tensors are the optimizer's new state,
+    so each is its own."""
+    found = read_companion(path, meta, "optimizer file")
+    if found is None:
+        raise FormatError("no optimizer state was saved with this checkpoint", path=path)
+    return found
 
 
 def _on_cuda(model: nn.Module) -> bool:
