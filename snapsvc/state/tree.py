@@ -313,15 +313,16 @@ class _Walker:
         own = len(path) == 1 and path[0] == self.model_key   # keeps its own names
         if self.memo is None:
             return self.walk_module(m, path, own)
-        key, held = ("module", path, own), walk(m)
-        node = self.reuse(key, m, held)
+        key, (held, outline) = ("module", path, own), walk(m)
+        what = (m, outline)   # its names and persistence as well as its tensors
+        node = self.reuse(key, what, held)
         if node is not None:
             return node
         marks = self.marks()
         node = self.walk_module(m, path, own)
         # tensors only: an inline tensor or an extra state is a value of this moment
         if all(type(x) is TensorRef for x in node.value.values()):
-            self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
+            self.remember(key, what, held, node, marks, self.flat.structural_hash if own else None)
         return node
 
     def walk_module(self, m: nn.Module, path: tuple, own_names: bool) -> ObjectNode:
