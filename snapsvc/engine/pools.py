@@ -95,8 +95,9 @@ class Slot:
         old = getattr(self, "layout", None)
         self.layout = layout
         # incremental mode: (sources, indices of the frozen parameters, their
-        # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
-        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
+        # storage pointers, their _versions, its tick) of the last copy (see
+        # snapsvc.engine.copier)
+        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int], int] | None = None
         if old is not None and old.placed_like(layout):
             return
         self.views = staging.views(self.flat, layout)
