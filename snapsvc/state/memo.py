@@ -17,6 +17,7 @@ No torch work beyond the guard: a part's check is one C-level pass per list.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -93,14 +94,34 @@ class WalkMemo:
     (see :func:`_same`), whose tensors still have the shapes, strides, dtypes
     and devices they had, are not walked again; the part's tensors are copied.
     Only the parts of the last walk are kept. ``guard(tensors)`` makes that
-    check (see :func:`snapsvc.engine.pools.tensor_guard`)."""
+    check (see :func:`snapsvc.engine.pools.tensor_guard`).
+
+    The memo never keeps the state alive: a part holds its module weakly, and
+    all parts go when any module, optimizer or stateful object of the walk
+    is collected (its tensors and an optimizer's moments with them: on CUDA,
+    GPU memory), so ``del model, opt`` frees them as it would without it."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
         self.parts: dict[tuple, Part] = {}
+        self._anchors: list[weakref.ref] = []
+
+    def keep(self, parts: dict[tuple, Part], anchors: list[Any]) -> None:
+        """Keep ``parts`` (a walk's) while every object of ``anchors`` lives."""
+        refs = []
+        for obj in anchors:
+            try:
+                refs.append(weakref.ref(obj, self._gone))
+            except TypeError:   # not weakly referable: it cannot say when it goes
+                pass
+        self.parts, self._anchors = parts, refs
+
+    def _gone(self, ref: weakref.ref) -> None:
+        if any(r is ref for r in self._anchors):   # an anchor of the parts kept now
+            self.clear()
 
     def clear(self) -> None:
-        self.parts = {}
+        self.parts, self._anchors = {}, []
 
 
 def is_leaf(v: Any) -> bool:
