@@ -165,3 +165,56 @@ def test_incremental_still_skips_a_frozen_backbone(tmp_path):
         opt.step()
         w.submit(m, "b.fdl").result(timeout=60)
         assert w.stats()["staged_bytes"] - full == full - frozen
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """A hand-written optimizer that writes through ``p.data``: no ``_version`` bump."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def gan_case(make_opt):
+    """The GAN pattern: the discriminator is unfrozen, trained (its step bumps no
+    ``_version``), frozen again, and ``zero_grad`` leaves ``.grad`` None: at every
+    submit it looks frozen and untouched."""
+    def make():
+        m = nn.ModuleDict({"g": nn.Linear(4, 4), "d": nn.Linear(4, 1)})
+        m["d"].requires_grad_(False)
+        opt = make_opt(m["d"].parameters())
+
+        def step() -> None:
+            m["d"].requires_grad_(True)
+            m["d"](m["g"](torch.randn(8, 4)).detach()).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            m["d"].requires_grad_(False)
+
+        return m, step
+    return make
+
+
+GAN_CASES = {"gan-fused-adam": gan_case(lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True)),
+             "gan-data-sgd": gan_case(_DataSGD)}
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_parameter_trained_between_submits_is_never_skipped(tmp_path, slots):
+    """Issue 30 item 2: frozen at every submit, trained in between: every file holds
+    the state at its submit, as ``incremental="check"`` would write it."""
+    torch.manual_seed(0)
+    found = []
+    with snapsvc.SnapshotWriter(tmp_path, incremental=True, slots=slots) as w:
+        for name, make in GAN_CASES.items():
+            model, step = make()
+            wanted = run_rounds(w, name, model, step)
+            assert not torch.equal(wanted[0]["d.weight"], wanted[-1]["d.weight"]), name
+            found += stale(tmp_path, name, wanted)
+    assert not found, f"stale tensors written: {found}"

@@ -17,9 +17,13 @@ is skipped only if it is a *frozen parameter*: ``requires_grad=False``, no
 ``.grad`` (every torch optimizer, fused or not, steps only parameters with a
 gradient), owning its whole storage (not a view into a larger buffer that
 could be written through another tensor), and with the same tensor object,
-storage pointer and ``_version`` as when the slot took it. Buffers and
-trainable parameters are copied every time. What is still missed: a frozen
-parameter written without a ``_version`` bump, through ``p.data`` or through
+storage pointer and ``_version`` as when the slot took it, and not stepped by
+any optimizer (with a gradient) nor trainable at any submit since: a GAN's
+discriminator is unfrozen, stepped by a fused Adam (no ``_version`` bump) and
+frozen again between two submits, and looks untouched at both
+(:func:`_watch_steps`). Buffers and trainable parameters are copied every
+time. What is still missed: a frozen parameter written without a
+``_version`` bump outside an optimizer step, through ``p.data`` or through
 another tensor or array that shares its whole memory (``torch.from_numpy``).
 ``incremental="check"`` compares every skipped tensor with the slot (a full
 compare, for debugging), logs each one a stale copy would have written, and
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import operator
 import threading
@@ -42,6 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import staging
 from .pools import Plan, Slot
@@ -50,6 +56,32 @@ __all__ = ["Copier"]
 
 log = logging.getLogger("snapsvc")
 _requires_grad = operator.attrgetter("requires_grad")
+
+# Incremental mode's record of what may have changed unseen, process-wide: the
+# tick of each parameter's last step with a gradient, or submit where it was
+# trainable, by id (an id reused by another tensor only costs one more copy).
+_ticks = itertools.count(1)
+_touched: dict[int, int] = {}
+_watching = threading.Lock()
+_hook: Any = None
+
+
+def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    tick = next(_ticks)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:   # what torch's optimizers step
+                _touched[id(p)] = tick
+
+
+def _watch_steps() -> None:
+    """Note every optimizer step of the process from now on (a post-step hook common
+    to all optimizers): a step, fused, writes its parameters without a ``_version``
+    bump, and ``zero_grad`` then leaves no trace of it."""
+    global _hook
+    with _watching:
+        if _hook is None:
+            _hook = register_optimizer_step_post_hook(_on_step)
 
 
 def _frozen(sources: list[torch.Tensor], params: int) -> list[int]:
@@ -76,6 +108,8 @@ class Copier:
         self._stream: Any = None
         self._guarded = False
         self._warned = False
+        if incremental:
+            _watch_steps()
 
     def stage(self, slot: Slot, sources: list[torch.Tensor], plan: Plan | None = None
               ) -> tuple[Callable[[], None] | None, int]:
@@ -114,18 +148,26 @@ class Copier:
         """(indices of ``sources`` to copy into ``slot``, or None for all;
         what the slot holds after this copy). See the module docstring for
         what may be skipped."""
-        frozen = _frozen(sources, slot.param_count)
+        params = slot.param_count
+        frozen = _frozen(sources, params)
         ptrs = [sources[i].data_ptr() for i in frozen]
         versions = [sources[i]._version for i in frozen]
-        held, now = slot.held, (sources, frozen, ptrs, versions)
+        tick = next(_ticks)
+        # trainable now: another slot holding it frozen must copy it again
+        still = set(frozen)
+        _touched.update((id(sources[i]), tick) for i in range(params) if i not in still)
+        held, now = slot.held, (sources, frozen, ptrs, versions, tick)
         if held is None or held[0] is not sources or not frozen:
             return None, now
-        _, old_frozen, old_ptrs, old_versions = held
+        _, old_frozen, old_ptrs, old_versions, then = held
         if frozen == old_frozen and ptrs == old_ptrs and versions == old_versions:
             skipped = frozen  # one C-level pass each: the usual case
         else:
             was = dict(zip(old_frozen, zip(old_ptrs, old_versions)))
             skipped = [i for i, p, v in zip(frozen, ptrs, versions) if was.get(i) == (p, v)]
+        # stepped by an optimizer, or trainable at a submit, since this slot took it
+        seen = _touched.get
+        skipped = [i for i in skipped if seen(id(sources[i]), 0) < then]
         if self.incremental == "check":
             stale = [i for i in skipped if not _same_bits(
                 slot.views[i], sources[i].to(slot.views[i].device))]  # a CUDA source: to CPU

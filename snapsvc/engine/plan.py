@@ -25,7 +25,7 @@ from ..format import datafile, fdl, kinds, protocol
 from ..format.layout import BUFFER, OPTIM, PARAM, Layout
 from ..remote.store import remote_key
 from ..state.resume import optimizer_state
-from ..state.memo import WalkMemo
+from ..state.memo import WalkMemo, Walked
 from ..state.tree import Flat, flatten, model_extra_states
 from .pools import Plan, Pool, SlotPools, walk
 from .snapshot import ModelSnapshot
@@ -47,7 +47,7 @@ class Request:
     optim: dict[str, Any] | None = None
     tree: Any = None
     model: nn.Module | None = None
-    walked: list[torch.Tensor | None] | None = None
+    walked: Walked | None = None
     extra_state: dict[str, Any] | None = None  # a model's get_extra_state() values
     plain: bool = False  # its tree's mappings are all dicts: no kinds table to split off
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import SlotBudgetError
 from ..format.layout import BUFFER, EARLY, PARAM, Layout
-from ..state.memo import WalkMemo, walk
+from ..state.memo import WalkMemo, Walked, walk
 from . import staging
 
 __all__ = ["Slot", "Pool", "Plan", "SlotPools", "walk", "tensor_guard",
@@ -95,8 +95,9 @@ class Slot:
         old = getattr(self, "layout", None)
         self.layout = layout
         # incremental mode: (sources, indices of the frozen parameters, their
-        # storage pointers, their _versions) of the last copy (see snapsvc.engine.copier)
-        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
+        # storage pointers, their _versions, its tick) of the last copy (see
+        # snapsvc.engine.copier)
+        self.held: tuple[list[torch.Tensor], list[int], list[int], list[int], int] | None = None
         if old is not None and old.placed_like(layout):
             return
         self.views = staging.views(self.flat, layout)
@@ -203,7 +204,7 @@ class Plan:
     source's shape, strides and dtype: exactly what :meth:`matches` checks.
     """
 
-    walked: list[torch.Tensor | None]  # walk(model) when planned
+    walked: Walked                     # walk(model) when planned
     sources: list[torch.Tensor]        # params, then persistent buffers: the copy's sources
     pool: Pool
     guard: Callable[[list[torch.Tensor]], bool]
@@ -212,7 +213,7 @@ class Plan:
     steps: list[list[staging.Step]]
 
     @classmethod
-    def make(cls, walked: list[torch.Tensor | None], sources: list[torch.Tensor],
+    def make(cls, walked: Walked, sources: list[torch.Tensor],
              pool: Pool) -> "Plan":
         aliased: list[torch.Tensor] = []
         aliases: list[torch.Tensor] = []
@@ -240,14 +241,18 @@ class Plan:
             steps.append(group_steps)
         return cls(walked, sources, pool, tensor_guard(sources), aliased, aliases, steps)
 
-    def matches(self, walked: list[torch.Tensor | None]) -> bool:
-        """Same tensor objects with the same shapes, strides, dtypes and
-        devices, and each alias still at its source's address: a replaced,
-        added, resized, cast or moved parameter or buffer, or one given other
-        memory (``p.data = ...``, a storage freed and reallocated), fails it.
-        Each comparison is one C-level pass, not a Python loop."""
+    def matches(self, walked: Walked) -> bool:
+        """Same outline (names, persistence), the same tensor objects with the
+        same shapes, strides, dtypes and devices, and each alias still at its
+        source's address: a renamed, deleted or inserted submodule, a buffer
+        made (non-)persistent, a replaced, added, resized, cast or moved
+        parameter or buffer, or one given other memory (``p.data = ...``, a
+        storage freed and reallocated), fails it. Each comparison is one
+        C-level pass, not a Python loop."""
         ptr = torch.Tensor.data_ptr
-        return (len(walked) == len(self.walked) and all(map(operator.is_, walked, self.walked))
+        then, now = self.walked.tensors, walked.tensors
+        return (len(now) == len(then) and all(map(operator.is_, now, then))
+                and walked.outline == self.walked.outline
                 and self.guard(self.sources)
                 and list(map(ptr, self.aliased)) == list(map(ptr, self.aliases)))
 
@@ -375,7 +380,7 @@ class SlotPools:
         self._pools[key] = pool
         return pool
 
-    def plan(self, model: nn.Module, walked: list[torch.Tensor | None]) -> Plan | None:
+    def plan(self, model: nn.Module, walked: Walked) -> Plan | None:
         """The cached plan of ``model`` if it still holds (see :meth:`Plan.matches`)."""
         plan = self._plans.get(model)
         return plan if plan is not None and plan.matches(walked) else None

@@ -227,9 +227,11 @@ class SnapshotWriter:
             metrics = model_or_state.metrics if metrics is None else metrics
             epoch = model_or_state.epoch if epoch is None else epoch
         metrics, epoch = as_metrics(metrics), check_epoch(epoch)
+        book = self._book
+        with book.cond:
+            book.check_open()   # refused before its walk: a closed writer keeps nothing
         req = request(model_or_state, optimizer, extra, self._pools.memo)
         self._life.ensure_running()
-        book = self._book
         gone: list[Slot] = []
         try:
             with book.cond:

@@ -17,31 +17,50 @@ No torch work beyond the guard: a part's check is one C-level pass per list.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 
-__all__ = ["Guard", "Part", "WalkMemo", "walk", "is_leaf", "leaves", "same"]
+__all__ = ["Guard", "Part", "WalkMemo", "Walked", "walk", "is_leaf", "leaves", "same"]
 
 _PLAIN = (str, bytes, bool, float, type(None))
 
 
-def walk(model: nn.Module) -> list[torch.Tensor | None]:
-    """Every parameter and buffer slot of every submodule, in one pass.
+class Walked(NamedTuple):
+    """What :func:`walk` finds: every tensor slot, and the outline that names them."""
+
+    tensors: list[torch.Tensor | None]
+    # per submodule: (name, id, parameter keys, buffer keys, non-persistent
+    # buffer names): with the tensors' identities, what state_dict() names
+    outline: list[tuple]
+
+
+def walk(model: nn.Module) -> Walked:
+    """Every parameter and buffer slot of every submodule, and their outline, in one pass.
 
     Reads ``_parameters``/``_buffers`` directly: ``parameters()`` and
     ``buffers()`` would walk the tree twice and build names and sets, which
     costs milliseconds on models with thousands of tensors, on every submit.
+    Two walks of one model compare equal in outline and identical in tensors
+    only if ``state_dict()`` has the same names, persistence and tensors: a
+    deleted, inserted or renamed submodule, a buffer made (non-)persistent,
+    or a tensor moved to another name, changes one of them.
     """
-    out: list[torch.Tensor | None] = []
-    for mod in model.modules():
-        out.extend(mod._parameters.values())
-        out.extend(mod._buffers.values())
-    return out
+    tensors: list[torch.Tensor | None] = []
+    outline: list[tuple] = []
+    for name, mod in model.named_modules():
+        params, buffers, transient = mod._parameters, mod._buffers, mod._non_persistent_buffers_set
+        tensors.extend(params.values())
+        tensors.extend(buffers.values())
+        # a copy of the set: the live one would compare equal to itself later
+        outline.append((name, id(mod), tuple(params), tuple(buffers),
+                        frozenset(transient) if transient else None))
+    return Walked(tensors, outline)
 
 
 Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
@@ -51,8 +70,8 @@ Guard = Callable[[list[torch.Tensor]], Callable[[list[torch.Tensor]], bool]]
 class Part:
     """A walked module or leaf mapping, as the next walk may reuse it."""
 
-    what: Any                                   # the module, or the mapping's keys
-    held: list                                  # walk(module), or the mapping's values
+    what: Any                                   # (the module, its outline), or the mapping's keys
+    held: list                                  # walk(module)'s tensors, or the mapping's values
     check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
     picks: list[int]                            # which of ``held`` its tensors are
     node: Any                                   # its part of the tree
@@ -75,14 +94,34 @@ class WalkMemo:
     (see :func:`_same`), whose tensors still have the shapes, strides, dtypes
     and devices they had, are not walked again; the part's tensors are copied.
     Only the parts of the last walk are kept. ``guard(tensors)`` makes that
-    check (see :func:`snapsvc.engine.pools.tensor_guard`)."""
+    check (see :func:`snapsvc.engine.pools.tensor_guard`).
+
+    The memo never keeps the state alive: a part holds its module weakly, and
+    all parts go when any module, optimizer or stateful object of the walk
+    is collected (its tensors and an optimizer's moments with them: on CUDA,
+    GPU memory), so ``del model, opt`` frees them as it would without it."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
         self.parts: dict[tuple, Part] = {}
+        self._anchors: list[weakref.ref] = []
+
+    def keep(self, parts: dict[tuple, Part], anchors: list[Any]) -> None:
+        """Keep ``parts`` (a walk's) while every object of ``anchors`` lives."""
+        refs = []
+        for obj in anchors:
+            try:
+                refs.append(weakref.ref(obj, self._gone))
+            except TypeError:   # not weakly referable: it cannot say when it goes
+                pass
+        self.parts, self._anchors = parts, refs
+
+    def _gone(self, ref: weakref.ref) -> None:
+        if any(r is ref for r in self._anchors):   # an anchor of the parts kept now
+            self.clear()
 
     def clear(self) -> None:
-        self.parts = {}
+        self.parts, self._anchors = {}, []
 
 
 def is_leaf(v: Any) -> bool:

@@ -36,6 +36,7 @@ The parts of one walk that the next may take as they are: :mod:`snapsvc.state.me
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
@@ -132,6 +133,7 @@ class _Walker:
         self.open: set[int] = set()  # containers on the current path: a cycle revisits one
         self.memo = memo
         self.parts: dict[tuple, Part] = {}  # this walk's, for the next one
+        self.anchors: list[Any] = []  # its modules, optimizers, stateful objects (see WalkMemo)
 
     def reuse(self, key: tuple, what: Any, held: list) -> Any:
         """The tree node of the memo's part ``key`` if ``what``/``held`` are the
@@ -213,6 +215,7 @@ class _Walker:
         if isinstance(v, nn.Module):
             return self.module(v, path)
         if isinstance(v, torch.optim.Optimizer):
+            self.anchors.append(v)
             sd = v.state_dict()
             if isinstance(sd, Mapping) and "state" in sd:
                 # only the per-parameter state changes in an optimizer step alone: a
@@ -220,6 +223,7 @@ class _Walker:
                 sd = {**sd, "state": StepState(sd["state"])}
             return ObjectNode("optimizer", t.__name__, self.stateful_dict(sd, path))
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
+            self.anchors.append(v)
             return ObjectNode("stateful", t.__name__, self.stateful_dict(v.state_dict(), path))
         if isinstance(v, Mapping) or t in (list, tuple):
             return self.container(v, path, step)
@@ -321,15 +325,18 @@ class _Walker:
         own = len(path) == 1 and path[0] == self.model_key   # keeps its own names
         if self.memo is None:
             return self.walk_module(m, path, own)
-        key, held = ("module", path, own), walk(m)
-        node = self.reuse(key, m, held)
+        self.anchors.append(m)
+        key, (held, outline) = ("module", path, own), walk(m)
+        # its names and persistence as well as its tensors; the module weakly
+        what = (weakref.ref(m), outline)
+        node = self.reuse(key, what, held)
         if node is not None:
             return node
         marks = self.marks()
         node = self.walk_module(m, path, own)
         # tensors only: an inline tensor or an extra state is a value of this moment
         if all(type(x) is TensorRef for x in node.value.values()):
-            self.remember(key, m, held, node, marks, self.flat.structural_hash if own else None)
+            self.remember(key, what, held, node, marks, self.flat.structural_hash if own else None)
         return node
 
     def walk_module(self, m: nn.Module, path: tuple, own_names: bool) -> ObjectNode:
@@ -392,7 +399,7 @@ def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = Fal
     w.flat.tree = w.container(state, ())
     w.flat.checked = True
     if memo is not None:
-        memo.parts = w.parts
+        memo.keep(w.parts, w.anchors)
     return w.flat
 
 

@@ -1,0 +1,71 @@
+"""The writer lets go of what it was given (issue 30 item 5): once a submit's
+write is booked, ``del`` and ``gc.collect()`` free the model, its weights and
+the optimizer's moments, as they would without snapsvc (on CUDA this is GPU
+memory)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import snapsvc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _trained():
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def _refs(m: nn.Module, opt: torch.optim.Optimizer) -> list[weakref.ref]:
+    moments = [t for st in opt.state.values() for t in st.values()]
+    return [weakref.ref(x) for x in (m, opt, *m.parameters(), *moments)]
+
+
+def _alive(refs: list[weakref.ref]) -> list:
+    gc.collect()
+    return [r() for r in refs if r() is not None]
+
+
+SUBMITS = {
+    "model": lambda m, opt: m,
+    "model+optimizer": lambda m, opt: m,
+    "state": lambda m, opt: {"model": m, "opt": opt, "step": 3},
+    "nested": lambda m, opt: {"run": {"net": m, "opt": opt}, "ema": {"w": torch.ones(2)}},
+}
+
+
+@pytest.mark.parametrize("kind", SUBMITS)
+def test_a_submitted_state_is_freed_after_its_write(tmp_path, kind):
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        for i in range(2):   # the second submit takes the kept plan
+            m, opt = _trained()
+            extra = {"optimizer": opt} if kind == "model+optimizer" else {}
+            refs = _refs(m, opt)
+            w.submit(SUBMITS[kind](m, opt), f"a{i}.fdl", **extra).result(timeout=60)
+            del m, opt, extra
+            assert not _alive(refs), [type(x).__name__ for x in _alive(refs)]
+        # and the kept plan still serves a model that lives on
+        m, opt = _trained()
+        for i in range(2):
+            w.submit(SUBMITS[kind](m, opt), f"b{i}.fdl").result(timeout=60)
+        assert snapsvc.read_checkpoint(tmp_path / "b1.fdl").entries
+
+
+def test_a_submit_refused_after_close_keeps_nothing(tmp_path):
+    w = snapsvc.SnapshotWriter(tmp_path, slots=1)
+    w.close()
+    m, opt = _trained()
+    refs = _refs(m, opt)
+    with pytest.raises(RuntimeError):
+        w.submit({"model": m, "opt": opt}, "late.fdl")
+    del m, opt
+    assert not _alive(refs), [type(x).__name__ for x in _alive(refs)]
