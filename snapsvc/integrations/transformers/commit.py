@@ -83,10 +83,20 @@ class Committer:
         with self._cond:
             return final in self._pending
 
-    def staging_dirs(self) -> set[str]:
-        """The hidden directories that pending commits own."""
+    def remove_leftovers(self, run_dir: str) -> None:
+        """Remove the hidden directories in ``run_dir`` that no pending commit
+        owns: a crash left them."""
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return
         with self._cond:
-            return {c.staging for c in self._pending.values()}
+            owned = {c.staging for c in self._pending.values()}
+        for n in names:
+            path = os.path.join(run_dir, n)
+            if n.startswith(STAGING_PREFIX) and path not in owned and os.path.isdir(path):
+                log.info("snapsvc: removing %s, an unfinished checkpoint", path)
+                shutil.rmtree(path, ignore_errors=True)
 
     def count(self) -> int:
         """How many submitted checkpoints are not committed or failed yet."""

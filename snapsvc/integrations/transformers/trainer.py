@@ -175,7 +175,7 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
                 handle = writer.submit(state, self.state.global_step)
                 staging = handle.path
             else:
-                self._snapsvc_remove_leftovers(run_dir)
+                self._snapsvc_committer.remove_leftovers(run_dir)
                 os.makedirs(staging)
                 handle = writer.submit(state, os.path.join(staging, STATE_FILE))
             if self.args.should_save:
@@ -279,19 +279,6 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
                 states[key].append(cb.state())
             else:
                 states[key] = cb.state()
-
-    def _snapsvc_remove_leftovers(self, run_dir: str) -> None:
-        """Remove hidden directories no pending commit owns (a crash left them)."""
-        try:
-            names = os.listdir(run_dir)
-        except FileNotFoundError:
-            return
-        owned = self._snapsvc_committer.staging_dirs()
-        for n in names:
-            path = os.path.join(run_dir, n)
-            if n.startswith(STAGING_PREFIX) and path not in owned and os.path.isdir(path):
-                log.info("snapsvc: removing %s, an unfinished checkpoint", path)
-                shutil.rmtree(path, ignore_errors=True)
 
     def _snapsvc_drain(self, timeout: float) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
