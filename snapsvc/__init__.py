@@ -79,7 +79,7 @@ restore = accepts_url(read_first(_restore))
 verify = read_first(verify)
 read_checkpoint = accepts_url(read_checkpoint)
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "__version__",
