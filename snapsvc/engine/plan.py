@@ -123,12 +123,15 @@ def find_pool(pools: SlotPools, req: Request) -> tuple[Pool, list[torch.Tensor],
     submitting the same model share one plan and one pool.
     """
     if req.model is None:
+        assert req.layout is not None  # request() sets it for every state that is not a model
         return pools.pool(req.key, req.layout, req.pin), req.sources, None
+    assert req.walked is not None  # and this for every model
     plan = pools.plan(req.model, req.walked)
     if plan is not None:
         pools.use(plan.pool)
         return plan.pool, plan.sources, plan
     full = _entries(list(req.model.named_parameters()), list(persistent_buffers(req.model)))
+    assert full.layout is not None  # _entries always sets it
     pool = pools.pool(full.key, full.layout, full.pin)
     plan = Plan.make(req.walked, full.sources, pool)
     pools.remember(req.model, plan)

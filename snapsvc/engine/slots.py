@@ -107,10 +107,13 @@ class SlotBroker:
         changed), never another model's, which "latest" does not supersede."""
         mine = [s for s in pool if s.seq and (s.layout is pool.layout
                                               or s.layout.placed_like(pool.layout))]
+        lock = self.sidecar.claim_lock
+        if lock is None:  # no live sidecar: nothing queued there to take back
+            return None, None
         for slot in sorted(mine, key=lambda s: s.seq, reverse=True):
             if slot.copying:
                 continue
-            with self.sidecar.claim_lock:
+            with lock:
                 if int(slot.claim.item()) != slot.seq:
                     continue  # the writer already started it
                 slot.claim.fill_(REVOKED)

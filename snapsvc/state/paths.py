@@ -15,7 +15,7 @@ top-level values.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -30,7 +30,7 @@ MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few leve
 def segment(key: str | int) -> str:
     if type(key) is int:
         return f"#{key}"
-    s = key.replace("%", "%25").replace("/", "%2F")
+    s = cast(str, key).replace("%", "%25")  # type() is int leaves str (bool is refused earlier).replace("/", "%2F")
     return "%23" + s[1:] if s.startswith("#") else s
 
 

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 import torch
 from torch import nn
 
@@ -176,7 +176,7 @@ def load(path: str | os.PathLike[str]) -> dict[Any, Any]:
     ``ModelSnapshot.save_file``) comes back as ``{"model": state dict}``, plus
     ``"optimizer"`` (torch's ``state_dict()`` form) when one was saved.
     """
-    return _read(os.fspath(path), keep_objects=False)[1]
+    return cast(dict[Any, Any], _read(os.fspath(path), keep_objects=False)[1])  # a map: _read checks
 
 
 # -- restoring into live objects ------------------------------------------------------
