@@ -52,8 +52,10 @@ def test_a_ram_copy_read_the_wrong_way_names_its_own_error(tmp_path):
     model = torch.nn.Linear(4, 4)
     with snapsvc.SnapshotWriter(tmp_path) as w:
         w.submit(model, "m.fdl", persist=False).result(30)
-        with pytest.raises(snapsvc.FormatError, match="submitted as a model"):
-            snapsvc.load(tmp_path / "m.fdl")
+        loaded = snapsvc.load(tmp_path / "m.fdl")["model"]   # a model checkpoint, read from RAM
+        assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+        with pytest.raises(snapsvc.ArchitectureMismatchError, match="architecture mismatch"):
+            snapsvc.restore(tmp_path / "m.fdl", torch.nn.Linear(4, 5))
         snapsvc.restore(tmp_path / "m.fdl", torch.nn.Linear(4, 4))
 
 

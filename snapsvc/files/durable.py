@@ -372,7 +372,9 @@ def _remove(paths: Iterable[str]) -> list[tuple[str, str | None]]:
             aside = set_aside(p)
             try:
                 os.unlink(p)
-            except FileNotFoundError:
+            except OSError as e:  # absent; a name too long for the file system is absent too
+                if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+                    raise
                 unlink_quietly([aside] if aside is not None else [])
                 continue
             removed.append((p, aside))
