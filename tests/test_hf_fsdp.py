@@ -191,8 +191,10 @@ def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(tmp_path):
     assert seen["fsdp"] == [True, "DTensor"]   # the Trainer really ran FSDP2
     assert seen["warnings"] == []
     assert "pytorch_model_fsdp_0/.metadata" in seen["stock"]["files"]
-    assert seen["snapsvc"]["files"] == ["manifest.msgpack", "rank0.fdl", "rank0.fdl.meta",
-                                        "rank1.fdl", "rank1.fdl.meta", "trainer_state.json"]
+    # every rank's RNG states, gathered on rank 0, go to its data file (its CRC in the manifest)
+    assert seen["snapsvc"]["files"] == ["manifest.msgpack", "rank0.fdl", "rank0.fdl.data",
+                                        "rank0.fdl.meta", "rank1.fdl", "rank1.fdl.meta",
+                                        "trainer_state.json"]
     for kind in KINDS:
         assert seen[kind]["run"] == [["checkpoint-3"], ["checkpoint-5"]], kind   # limit 1
         assert seen[kind]["on_save"] == {str(s): [s, True] for s in (1, 2, 3)}, kind
