@@ -43,6 +43,16 @@ def step_of(path: str | os.PathLike[str]) -> tuple[str, int]:
     return os.path.dirname(p), int(m.group(1))
 
 
+def is_step_path(checkpoint_id: Any) -> bool:
+    """Whether ``checkpoint_id`` is a local ``step_<N>`` directory path (DCP's
+    ``validate_checkpoint_id`` of the writer and the reader)."""
+    try:
+        step_of(checkpoint_id)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def plans_meta(plans: list[SavePlan]) -> dict[str, Any]:
     """DCP's metadata of a global save plan, as msgpack-able values."""
     items: dict[str, Any] = {}

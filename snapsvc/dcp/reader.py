@@ -22,7 +22,7 @@ from torch.futures import Future
 from ..distributed.manifest import read_manifest
 from ..errors import FormatError
 from ..state.readback import load
-from .layout import META_KEY, entry_key, meta_from, step_of
+from .layout import META_KEY, entry_key, is_step_path, meta_from, step_of
 
 __all__ = ["SnapsvcStorageReader"]
 
@@ -113,8 +113,4 @@ class SnapsvcStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """A local ``step_<N>`` directory path."""
-        try:
-            step_of(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return is_step_path(checkpoint_id)

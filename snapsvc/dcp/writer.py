@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..distributed.writer import DistributedSnapshotWriter
-from .layout import META_KEY, _Refusal, entry_key, plans_meta, step_of
+from .layout import META_KEY, _Refusal, entry_key, is_step_path, plans_meta, step_of
 
 __all__ = ["SnapsvcStorageWriter"]
 
@@ -142,11 +142,7 @@ class SnapsvcStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """A local ``step_<N>`` directory path."""
-        try:
-            step_of(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return is_step_path(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
         """Where this save goes."""
