@@ -30,7 +30,8 @@ MAX_DEPTH = 64  # containers nest no deeper; a real training state is a few leve
 def segment(key: str | int) -> str:
     if type(key) is int:
         return f"#{key}"
-    s = cast(str, key).replace("%", "%25")  # type() is int leaves str (bool is refused earlier).replace("/", "%2F")
+    # type(key) is int leaves a str here (a bool key is refused earlier); mypy cannot see it
+    s = cast(str, key).replace("%", "%25").replace("/", "%2F")
     return "%23" + s[1:] if s.startswith("#") else s
 
 
