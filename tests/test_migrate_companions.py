@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from bitwise import assert_bit_identical as same
 import snapsvc
 from snapsvc.cli import main
 
@@ -55,26 +56,6 @@ class New(nn.Module):  # the same model, renamed
 
 RENAMED = {"enc.lin.weight": "encoder.lin.weight", "enc.lin.bias": "encoder.lin.bias",
            "out.weight": "head.weight", "out.bias": "head.bias", "mask": "mask"}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def same(a, b, where="") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b)), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture

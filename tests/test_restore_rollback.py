@@ -17,29 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+from bitwise import assert_bit_identical
 import snapsvc
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_identical(a, b, where: str = "") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b)), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            assert_bit_identical(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bit_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def snapshot(obj) -> dict:
