@@ -152,11 +152,23 @@ def raise_main(step: str, out: str, hold: str) -> None:
     trainer.train()
 
 
+def end_world() -> None:
+    """A torchrun script's last step, as torch's docs ask: every rank reaches it, then the
+    default group is destroyed. Without it gloo's worker threads may still hold work at
+    interpreter teardown, and the process dies with SIGABRT ("terminate called without an
+    active exception", pytorch/pytorch#190489) after the run itself succeeded."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main() -> None:
     from safetensors.torch import save_file
     args = sys.argv[1:]
     if args[0] == "--dist":
-        return dist_main(*args[1:])
+        dist_main(*args[1:])
+        return end_world()
     if args[0] == "--raise-at":
         return raise_main(*args[1:])
     for kind, out, result in zip(args[::3], args[1::3], args[2::3]):

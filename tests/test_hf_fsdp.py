@@ -26,7 +26,7 @@ pytest.importorskip("accelerate")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_script import KINDS, StopAt, make_args, weights  # noqa: E402
+from hf_script import KINDS, StopAt, end_world, make_args, weights  # noqa: E402
 
 # FULL_STATE_DICT (the default) gathers the model for safetensors, which fails on CPU
 # in the stock Trainer too ("Attempted to access the data pointer on an invalid python
@@ -210,3 +210,4 @@ def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(tmp_path):
 
 if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
     dist_fsdp(*sys.argv[1:3])
+    end_world()

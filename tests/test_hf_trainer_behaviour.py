@@ -152,6 +152,7 @@ def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
 
 if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
     dist_second_train(*sys.argv[1:3])
+    hf_script.end_world()
 
 
 @pytest.mark.timeout(150)
