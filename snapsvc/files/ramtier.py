@@ -32,7 +32,8 @@ from typing import Any, Callable, TypeVar
 from ..errors import SnapsvcError, UnsafePathError
 from .metafile import META_SUFFIX, checkpoint_names, meta_path
 
-__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series", "latest"]
+__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series", "complete",
+           "number"]
 
 log = logging.getLogger("snapsvc")
 
@@ -155,8 +156,10 @@ def read_first(reader: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _complete(folder: str) -> dict[str, tuple[int, float]]:
-    """Checkpoint names in ``folder`` whose metadata and file are there: (step, meta mtime)."""
+def complete(folder: str) -> dict[str, tuple[int, float]]:
+    """Checkpoint names in ``folder`` whose metadata and file are there: (the last
+    number in the name, or -1; the metadata's mtime). Newest first by these is what
+    :func:`snapsvc.latest` (:mod:`snapsvc.remote.listing`) answers."""
     found: dict[str, tuple[int, float]] = {}
     try:
         names = set(os.listdir(folder))
@@ -166,37 +169,11 @@ def _complete(folder: str) -> dict[str, tuple[int, float]]:
         name = meta[:-len(META_SUFFIX)]
         if not meta.endswith(META_SUFFIX) or name not in names:
             continue
-        digits = _DIGITS.findall(name)
-        found[name] = (int(digits[-1]) if digits else -1,
-                       os.stat(os.path.join(folder, meta)).st_mtime)
+        found[name] = (number(name), os.stat(os.path.join(folder, meta)).st_mtime)
     return found
 
 
-def latest(directory: str | os.PathLike[str], *,
-           remote: str | os.PathLike[str] | None = None) -> str | None:
-    """The newest complete checkpoint of ``directory`` across the RAM tier,
-    the disk and ``remote`` (a mounted directory), or None.
-
-    Newest: the highest number in its name (``step1200.fdl``), then the newest
-    metadata. Complete: its file and its ``.meta`` are there (the reads check
-    the CRCs). The answer is a path under ``directory`` (:func:`snapsvc.load`
-    reads its RAM copy when one is held), or under ``remote`` when only that
-    tier holds the newest. Ties go to the faster tier.
-    """
-    if remote is not None and "://" in os.fspath(remote):
-        raise NotImplementedError("latest(remote=URL) is not built yet: pass a mounted "
-                                  "directory, or use snapsvc.latest_checkpoint for steps")
-    directory = os.path.abspath(os.fspath(directory))
-    ram = ram_path(os.path.join(directory, "x"))
-    tiers = [(os.path.dirname(ram), directory)] if ram is not None else []
-    tiers.append((directory, directory))
-    if remote is not None:
-        tiers.append((os.fspath(remote), os.fspath(remote)))
-    best: tuple[tuple[int, float], int, str] | None = None
-    for rank, (folder, shown) in enumerate(tiers):
-        for name, key in _complete(folder).items():
-            # newer wins; at a tie the earlier (faster) tier stays
-            if best is None or key[0] > best[0][0] or (key[0] == best[0][0] and key[1] > best[0][1]
-                                                         and rank == best[1]):
-                best = (key, rank, os.path.join(shown, name))
-    return None if best is None else best[2]
+def number(name: str) -> int:
+    """The last number in a checkpoint's name (its step), -1 when it has none."""
+    digits = _DIGITS.findall(os.path.basename(name))
+    return int(digits[-1]) if digits else -1
