@@ -31,9 +31,10 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import SnapsvcError, UnsafePathError
 from .metafile import META_SUFFIX, checkpoint_names, meta_path
+from .verify import verify
 
-__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series", "complete",
-           "number"]
+__all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
+           "read_first", "drop", "series", "complete", "number"]
 
 log = logging.getLogger("snapsvc")
 
@@ -114,6 +115,37 @@ def held(path: str | os.PathLike[str]) -> str | None:
         return None
     ram = ram_path(path)
     return ram if ram is not None and os.path.exists(meta_path(ram)) else None
+
+
+def ram_folder(directory: str | os.PathLike[str]) -> str | None:
+    """The RAM tier's folder of the checkpoints in ``directory``; None when there is none."""
+    ram = ram_path(os.path.join(os.path.abspath(os.fspath(directory)), "x"))
+    return None if ram is None or not os.path.isdir(os.path.dirname(ram)) \
+        else os.path.dirname(ram)
+
+
+def problem(ram: str) -> str | None:
+    """The first thing wrong with the RAM copy ``ram`` (its size, the CRC-32 of each
+    part, its metadata), or None when it is whole: checked before a read trusts it."""
+    try:
+        report = verify(ram)
+    except (SnapsvcError, ValueError, OSError) as e:
+        return str(e)
+    return report.problems[0] if report.problems else None
+
+
+def good_copy(path: str | os.PathLike[str]) -> str | None:
+    """The RAM copy of ``path`` when one is held and whole; None when none is held,
+    or when it is bad (then a ``RuntimeWarning`` names the problem)."""
+    ram = held(path)
+    if ram is None:
+        return None
+    why = problem(ram)
+    if why is None:
+        return ram
+    warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({why}); reading it from disk "
+                  "instead", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def drop(ram: str) -> None:

@@ -22,8 +22,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, Meta, companions, parse_meta
-from ..files.ramtier import complete, number, ram_path
-from ..files.verify import verify
+from ..files.ramtier import complete, number, problem, ram_folder
 from .fetch import Progress, run_sync
 from .store import Store, open_store
 
@@ -133,9 +132,8 @@ def latest(directory: str | os.PathLike[str], *,
     """
     directory = os.path.abspath(os.fspath(directory))
     found: list[tuple[int, int, float, str, str | None]] = []  # step, -tier, when, path, RAM copy
-    ram = ram_path(os.path.join(directory, "x"))
-    if ram is not None:
-        folder = os.path.dirname(ram)
+    folder = ram_folder(directory)
+    if folder is not None:
         found += [(step, 0, when, os.path.join(directory, name), os.path.join(folder, name))
                   for name, (step, when) in complete(folder).items()]
     found += [(step, -1, when, os.path.join(directory, name), None)
@@ -146,11 +144,10 @@ def latest(directory: str | os.PathLike[str], *,
         found += [(number(item.name), -2, item.created or 0.0, f"{base}/{item.name}", None)
                   for item in run_sync(_scan(store, None, None)) if "/" not in item.name]
     for _, _, _, path, copy in sorted(found, key=lambda f: f[:3], reverse=True):
-        if copy is not None:
-            report = verify(copy)
-            if not report.ok:
-                warnings.warn(f"the RAM copy of {path} is bad ({report.problems[0]}); "
-                              "skipped for the next newest copy", RuntimeWarning, stacklevel=2)
-                continue
+        why = None if copy is None else problem(copy)
+        if why is not None:
+            warnings.warn(f"the RAM copy of {path} is bad ({why}); skipped for the next "
+                          "newest copy", RuntimeWarning, stacklevel=2)
+            continue
         return path
     return None
