@@ -223,9 +223,11 @@ class SnapshotWriter:
         """
         started = time.monotonic()
         self._check_caller("submit")
-        path = self._resolve(path, optimizer=optimizer is not None)
+        path = self._resolve(path, create=False, optimizer=optimizer is not None)
         if persist is None:
             persist = self._cadence.persist(path)
+        if persist:   # a memory-only snapshot makes no folder on disk
+            self._book.make_dir(os.path.dirname(path))
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics

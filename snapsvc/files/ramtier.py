@@ -34,7 +34,7 @@ from .metafile import META_SUFFIX, checkpoint_names, meta_path
 from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
-           "read_first", "drop", "series", "complete", "number"]
+           "read_first", "drop", "series", "ram_series", "complete", "number"]
 
 log = logging.getLogger("snapsvc")
 
@@ -49,6 +49,14 @@ def series(path: str) -> tuple[str, str]:
     """The series of ``path`` (keep_last's, keep_in_memory's, persist_every's):
     its directory and its name with digits masked."""
     return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
+
+
+def ram_series(path: str) -> tuple[str, str, str]:
+    """The series of ``path`` in the RAM tier (``keep_in_memory``'s): as :func:`series`,
+    and its folder's name with digits masked too, so the state files of
+    ``checkpoint-100/`` and ``checkpoint-200/`` replace each other."""
+    folder, name = series(path)
+    return os.path.dirname(folder), _DIGITS.sub("#", os.path.basename(folder)), name
 
 
 def check_private(path: str, create: bool) -> bool:

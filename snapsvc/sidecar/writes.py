@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
 from ..files.metafile import Meta, checkpoint_names, optim_path, write_with_meta
-from ..files.ramtier import drop, ram_path, series as _series
+from ..files.ramtier import drop, ram_path, ram_series, series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
@@ -72,11 +72,11 @@ class Files:
         # their bytes, oldest first across series (memory_limit evicts in that order)
         self.keep_in_memory = keep_in_memory
         self.memory_limit = memory_limit
-        self.in_ram: dict[tuple[str, str], list[str]] = {}
+        self.in_ram: dict[tuple[str, str, str], list[str]] = {}
         self.origin: dict[str, str] = {}
         self.sizes: dict[str, int] = {}
         for path, ram in held:  # what a lingering sidecar handed over
-            self.in_ram.setdefault(_series(path), []).append(ram)
+            self.in_ram.setdefault(ram_series(path), []).append(ram)
             self.origin[ram] = path
             self.sizes[ram] = _size(ram)
         self.compress_level = compress_level
@@ -159,7 +159,7 @@ class Files:
     def hold(self, path: str, ram: str) -> list[str]:
         """A memory-only snapshot of ``path`` is now held at ``ram``: drop the
         RAM copies of its series beyond the newest ``keep_in_memory``."""
-        mine = self.in_ram.setdefault(_series(path), [])
+        mine = self.in_ram.setdefault(ram_series(path), [])
         if ram in mine:
             mine.remove(ram)
         mine.append(ram)
@@ -172,7 +172,7 @@ class Files:
 
     def _forget(self, ram: str) -> None:
         """Stop holding the RAM copy ``ram`` and free it."""
-        self.in_ram[_series(self.origin.pop(ram))].remove(ram)
+        self.in_ram[ram_series(self.origin.pop(ram))].remove(ram)
         self.sizes.pop(ram, None)
         drop(ram)
 
@@ -201,7 +201,7 @@ class Files:
     def forget_ram(self, path: str) -> None:
         """``path`` was written to disk: a RAM copy of it, now older, goes."""
         ram = ram_path(path)
-        if ram is not None and ram in self.in_ram.get(_series(path), []):
+        if ram is not None and ram in self.in_ram.get(ram_series(path), []):
             self._forget(ram)
 
     def drop_ram(self) -> None:
