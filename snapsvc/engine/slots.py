@@ -99,7 +99,7 @@ class SlotBroker:
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    if not room:
+                    if not room and pools is not None:
                         raise TimeoutError(
                             f"no room for this memory-only snapshot within {timeout} s: "
                             f"memory_limit={pools.memory_limit} is taken by slots of snapshots "
