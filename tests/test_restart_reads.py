@@ -48,6 +48,7 @@ def test_latest_across_ram_disk_and_s3_ties_to_the_fastest_and_skips_a_bad_ram_c
         s3.write("step6.fdl", s3.read("step2.fdl"))   # no .meta: incomplete, never the answer
         # step4 on disk and remote, and a newer copy of it in RAM: a tie, RAM's path wins
         w.submit(_state(4), "step4.fdl").uploaded(60)
+        assert snapsvc.latest(d, remote=url) == str(d / "step4.fdl")   # disk and remote: disk
         w.submit(_state(44), "step4.fdl", persist=False).result(30)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
