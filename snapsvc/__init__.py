@@ -54,6 +54,7 @@ from .errors import (
     UnsupportedStateError,
     ShapeMismatchError,
     SlotBudgetError,
+    MemoryLimitError,
     UnsafeCallError,
     SnapsvcError,
     StrictLoadError,
@@ -70,7 +71,8 @@ from .remote.fetch import accepts_url, verify
 from .state.resume import checkpoint_files, restore as _restore
 from .state.migrate import MigrateReport, migrate_checkpoint
 from .state.readback import load as _load
-from .files.ramtier import latest, read_first
+from .files.ramtier import read_first
+from .remote.listing import latest
 
 # A URL of the remote tier (s3://, gs://, az://) is read through a checked local copy.
 # A local path the sidecar holds in RAM (persist=False) is read from there first.
@@ -122,6 +124,7 @@ __all__ = [
     "ShapeMismatchError",
     "StrictLoadError",
     "SlotBudgetError",
+    "MemoryLimitError",
     "UnsafeCallError",
     "BrokenWriterError",
     "WriteFailedError",

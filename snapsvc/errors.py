@@ -18,6 +18,7 @@ __all__ = [
     "StrictLoadError",
     "BrokenWriterError",
     "SlotBudgetError",
+    "MemoryLimitError",
     "UnsafeCallError",
     "WriteFailedError",
     "DistributedCheckpointError",
@@ -102,6 +103,11 @@ class BrokenWriterError(SnapsvcError, RuntimeError):
 
 class SlotBudgetError(SnapsvcError, ValueError):
     """A snapshot's slots do not fit in the writer's ``max_slot_bytes``."""
+
+
+class MemoryLimitError(SlotBudgetError):
+    """A snapshot that cannot fit in the writer's (or its service's) ``memory_limit``
+    even with nothing else held: its slots, plus its RAM copy when memory-only."""
 
 
 class UnsafeCallError(SnapsvcError, RuntimeError):

@@ -1,6 +1,8 @@
 """``snapsvc inspect``, ``snapsvc verify`` and ``snapsvc ls``: read checkpoints, change nothing.
 
-Each takes a remote URL (``s3://``, ``gs://``, ``az://``) as well as a local path.
+Each takes a remote URL (``s3://``, ``gs://``, ``az://``) as well as a local path. A
+local path the sidecar holds in RAM (:mod:`snapsvc.files.ramtier`) is read from its RAM
+copy, once that is checked whole; a bad one is reported and the disk copy is read.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import datetime as _dt
 import json
 import math
 import os
+import warnings
 from typing import Sequence
 
 from ..errors import SnapsvcError
 from ..files.checkpoint import file_framing
 from ..files.convert import FileInfo, describe_file, file_format
 from ..files.meta import META_SUFFIX, companions, data_owner, meta_path, optim_path, read_meta
+from ..files.ramtier import good_copy, problem, ram_folder, read_first
 from ..files.verify import VerifyReport
 from ..format import fdl
 from ..remote.fetch import fetched, verify
@@ -177,6 +181,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
           "dtype, shape, bytes) without loading tensor data, and its <FILE>.meta when "
           "present.", arguments=_inspect_arguments)
 def _inspect(args: argparse.Namespace) -> int:
+    ram = None
     if is_url(args.file):  # a checked local copy, shown under its URL
         with ProgressBar() as bar, fetched(args.file, progress=bar) as local:
             info, meta, meta_error = _describe(local)
@@ -184,9 +189,17 @@ def _inspect(args: argparse.Namespace) -> int:
         if meta is not None:
             meta["path"] = meta_path(args.file)
     else:
-        info, meta, meta_error = _describe(args.file)
-    print(_inspect_json(info, meta, meta_error) if args.json
-          else _inspect_text(info, meta, meta_error))
+        ram = good_copy(args.file)
+        info, meta, meta_error = _describe(ram or args.file)
+        if ram is not None:  # shown under its own path, as snapsvc.load reads it
+            info.path = args.file
+            if meta is not None:
+                meta["path"] = meta_path(args.file)
+    text = _inspect_json(info, meta, meta_error) if args.json \
+        else _inspect_text(info, meta, meta_error)
+    if ram is not None and not args.json:
+        text += "\ntier: RAM (the sidecar's copy of this path, read in its place)"
+    print(text)
     return EXIT_OK
 
 
@@ -271,8 +284,8 @@ def _verify(args: argparse.Namespace) -> int:
             first = owner not in reports
             if first:
                 with ProgressBar() as fetching:  # a URL's bytes as they arrive
-                    reports[owner] = verify(owner, require_meta=not args.no_meta,
-                                            progress=fetching if is_url(owner) else None)
+                    reports[owner] = _verify_first(owner, require_meta=not args.no_meta,
+                                                   progress=fetching if is_url(owner) else None)
             report = reports[owner]
             bar.clear()
             if part is None:
@@ -287,6 +300,9 @@ def _verify(args: argparse.Namespace) -> int:
     if n > 1:
         print(f"{n - failed} of {n} files OK" + (f", {failed} failed" if failed else ""))
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+_verify_first = read_first(verify)   # the RAM copy of a local path first, then the disk
 
 
 def _verify_part(path: str, role: str, report: VerifyReport, no_meta: bool
@@ -322,20 +338,40 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one strict JSON object")
 
 
+def _good_ram(rows: list, folder: str) -> list:
+    """``rows`` without the RAM copies that fail their checks (each reported)."""
+    kept = []
+    for r in rows:
+        why = problem(os.path.join(folder, r.name)) if "ram" in r.tiers else None
+        if why is not None:
+            warnings.warn(f"the RAM copy of {r.name} is bad ({why}): not listed",
+                          RuntimeWarning, stacklevel=2)
+            r.tiers.remove("ram")
+        if r.tiers:
+            kept.append(r)
+    return kept
+
+
 @register("ls", help="list checkpoints with step, size, metrics and the tiers holding them",
           description="List the complete checkpoints (those with a .meta) under a directory "
           "or a remote URL, newest step first: name, step, bytes, metrics and which tiers "
-          "hold them (local, remote). A multi-rank checkpoint (a step_<N> directory, or "
+          "hold them (ram: the sidecar's copy in memory, local, remote; a bad RAM copy is "
+          "reported and not listed). A multi-rank checkpoint (a step_<N> directory, or "
           "any directory with a manifest.msgpack) is one entry: its directory, with the "
           "manifest's step and metrics and the bytes of all its files. Incomplete ones (no "
           ".meta, or no manifest) are not listed.", arguments=_ls_arguments)
 def _ls(args: argparse.Namespace) -> int:
     from ..distributed.tier import listed_steps  # torch.distributed when needed
     tiers = [("remote" if is_url(args.location) else "local", args.location)]
+    folder = None if is_url(args.location) else ram_folder(args.location)
+    if folder is not None:   # the RAM copies the sidecar holds for this directory
+        tiers.insert(0, ("ram", folder))
     if args.remote:
         tiers.append(("remote", args.remote))
     with ProgressBar(unit="files") as bar:
         rows = list_checkpoints(tiers, steps=listed_steps, progress=bar)
+    if folder is not None:
+        rows = _good_ram(rows, folder)
     if args.json:
         print(json.dumps(_strict_json({"location": args.location, "remote": args.remote,
                                        "checkpoints": [r.__dict__ for r in rows]}),

@@ -71,6 +71,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "mounted directory): each durable checkpoint is copied there")
     p.add_argument("--keep", type=int, default=None, metavar="N",
                    help="keep the newest N files of each series (keep_last)")
+    p.add_argument("--memory", type=int, default=None, metavar="BYTES",
+                   help="cap the RAM of the trainer's slots plus the RAM copies held "
+                   "(memory_limit); older RAM copies are evicted first")
     p.add_argument("--socket", default=None, metavar="PATH", help="listen here (default: "
                    "the directory's socket in the user's runtime folder); registered for "
                    "the directory either way")
@@ -88,10 +91,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.keep is not None and args.keep < 1:
         raise UsageError("--keep must be at least 1")
+    if args.memory is not None and args.memory < 1:
+        raise UsageError("--memory must be at least 1 (bytes)")
     directory = os.path.abspath(args.directory)
     try:
         remote = check_remote(args.remote, directory, None, 300.0)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    Service(directory, sock=args.socket, keep_last=args.keep, remote=remote).run()
+    Service(directory, sock=args.socket, keep_last=args.keep, remote=remote,
+            memory=args.memory).run()
     return EXIT_OK

@@ -123,9 +123,11 @@ class _PieceReader:
     Local rank files here; :class:`~snapsvc.distributed.tier.RemotePieces` reads a remote
     step's by ranged GETs, all of a restore's at once (:meth:`prefetch`)."""
 
-    def __init__(self, sizes: dict[str, int], verify: bool) -> None:
+    def __init__(self, sizes: dict[str, int], verify: bool,
+                 sources: dict[str, str] | None = None) -> None:
         self._sizes = sizes
         self._verify = verify
+        self._sources = sources or {}  # a file's path -> where to read it (its RAM copy)
         self._files: dict[str, Any] = {}
         self.bytes_read = 0
 
@@ -139,7 +141,7 @@ class _PieceReader:
     def _open(self, path: str) -> Any:
         f = self._files.get(path)
         if f is None:
-            f = open(path, "rb")
+            f = open(self._sources.get(path, path), "rb")
             self._files[path] = f
             actual = os.fstat(f.fileno()).st_size
             if actual != self._sizes[path]:

@@ -23,17 +23,19 @@ import errno
 import logging
 import os
 import re
+import warnings
 from collections import defaultdict
 from typing import Any, Iterator
 
 from ..errors import FormatError
 from ..files.meta import META_SUFFIX, Meta, parse_meta, read_meta
+from ..files.ramtier import held, problem
 from ..remote.fetch import TIMEOUT, fetched, run_sync
 from ..remote.listing import Listed
 from ..remote.store import Store, StoredObject, is_url, open_store, split_url
 from ..remote.url import as_oserror
-from .manifest import MANIFEST_NAME, Manifest, _latest_local, _missing, parse_manifest, \
-    read_manifest, step_number
+from .manifest import MANIFEST_NAME, Manifest, RankFile, _committed, _latest_local, _missing, \
+    parse_manifest, read_manifest, step_number
 from .pieces import _Global, _Piece, _PieceReader, _sizes
 
 __all__ = ["latest_checkpoint", "open_step", "LocalStep", "RemoteStep", "RemotePieces",
@@ -171,21 +173,56 @@ def _run(coro: Any, what: str, limit: float) -> Any:
 
 # -- one step, from either tier --------------------------------------------------------
 class LocalStep:
-    """A complete step directory: its manifest, metadata, rank files and pieces."""
+    """A complete step directory: its manifest, metadata, rank files and pieces.
+
+    A rank's files are read from the RAM tier (:mod:`snapsvc.files.ramtier`) when the
+    sidecar holds a copy of them that is whole (size and CRC-32 of every part) and is
+    the one the manifest committed; a bad copy is reported with a ``RuntimeWarning``
+    and the step directory is read instead."""
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
+        self._ram: dict[str, str] | None = None   # a file's path -> its good RAM copy
+
+    def _source(self, path: str) -> str:
+        if self._ram is None:
+            self._ram = {}
+            for r in self.manifest.ranks:
+                self._ram.update(_ram_copies(self.manifest.path, r))
+        return self._ram.get(path, path)
 
     def meta(self, name: str) -> Meta:
-        return read_meta(os.path.join(self.manifest.path, name))
+        return read_meta(self._source(os.path.join(self.manifest.path, name)))
 
     def pieces(self, verify: bool) -> _PieceReader:
-        return _PieceReader(_sizes(self.manifest), verify)
+        sizes = _sizes(self.manifest)
+        return _PieceReader(sizes, verify, {p: self._source(p) for p in sizes})
 
     @contextlib.contextmanager
     def rank_file(self, name: str) -> Iterator[str]:
         """The path of the rank file ``name`` (with its ``.meta`` and optimizer file)."""
-        yield os.path.join(self.manifest.path, name)
+        yield self._source(os.path.join(self.manifest.path, name))
+
+
+def _ram_copies(folder: str, r: RankFile) -> dict[str, str]:
+    """Rank ``r``'s files in the step ``folder`` -> their RAM copies, when the sidecar
+    holds a good copy of the ones committed; else nothing."""
+    disk = os.path.join(folder, r.file)
+    ram = held(disk)
+    if ram is None:
+        return {}
+    bad = problem(ram)
+    why = f"is bad ({bad})" if bad is not None else next(
+        (f"is not the committed one (its {role} has size {a[0]} and CRC-32 {a[1]}, the "
+         f"manifest says {b[0]} and {b[1]})"
+         for role, _, a, b in _committed(r, read_meta(ram)) if a != b), None)
+    if why is not None:
+        warnings.warn(f"the RAM copy of {disk} {why}; reading the step directory instead",
+                      RuntimeWarning, stacklevel=2)
+        return {}
+    names = [r.file, r.file + META_SUFFIX] + [
+        rec["file"] for rec in (r.optim, r.data) if rec is not None]
+    return {os.path.join(folder, n): os.path.join(os.path.dirname(ram), n) for n in names}
 
 
 class RemoteStep(LocalStep):

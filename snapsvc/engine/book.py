@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import BrokenWriterError, WriteFailedError, WriterClosedError
+from ..format import protocol
 from .handles import WriteHandle, WriteReport
 from .pools import Slot
 from .link import describe
@@ -35,6 +36,7 @@ class Pending:
     stage_s: float
     gen: int
     slot_wait_s: float = 0.0
+    ram: bool = False  # memory-only: its RAM copy is all there will be
 
 
 class Book:
@@ -90,13 +92,13 @@ class Book:
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
 
     def add(self, slot: Slot, path: str, started: float, stage_s: float, gen: int,
-            slot_wait_s: float = 0.0) -> int:
+            slot_wait_s: float = 0.0, ram: bool = False) -> int:
         """Book a staged write (cond held); its seq."""
         self.seq += 1
         self.counts["submitted"] += 1  # refused submits never get this far
         slot.seq = self.seq
         handle = WriteHandle(self.seq, path, self.on_reader, remote=self.remote)
-        self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen, slot_wait_s)
+        self.pending[self.seq] = Pending(handle, slot, started, stage_s, gen, slot_wait_s, ram)
         return self.seq
 
     def durable(self, path: str, gen: int) -> WriteHandle:
@@ -124,6 +126,22 @@ class Book:
         handle._future.set_result(WriteReport(path=path, skipped=True, stage_s=stall,
                                               total_s=stall, seq=handle.seq))
         return handle
+
+    def report(self, gen: int, msg: dict[str, Any], slot_of: Callable[[int], Slot | None]) -> None:
+        """One report from the sidecar of generation ``gen`` (reader thread)."""
+        op = msg["op"]
+        if op == protocol.SLOT_OK:
+            with self.cond:
+                slot = slot_of(msg["slot"])
+                if slot is not None:
+                    slot.gen = gen
+                self.cond.notify_all()
+        elif op == protocol.DONE:
+            self.resolve(msg)
+        elif op == protocol.UPLOADED:
+            self.upload_done(msg)
+        else:
+            log.error("unexpected message from the writer: %r", op)
 
     def resolve(self, msg: dict[str, Any]) -> None:
         """A DONE report from the sidecar (reader thread)."""

@@ -26,7 +26,7 @@ from ..format import protocol
 from .book import Book
 from .copier import Copier
 from .handles import WriteHandle
-from .pools import Plan, Pool, Slot
+from .pools import ROOM, Plan, Pool, Slot, SlotPools
 from .link import Sidecar
 from .slots import SlotBroker
 
@@ -37,7 +37,8 @@ class Dispatcher:
     """Stages a submit into a slot and queues it for the sidecar."""
 
     def __init__(self, book: Book, sidecar: Sidecar, broker: SlotBroker, copier: Copier,
-                 overlap: bool) -> None:
+                 overlap: bool, pools: SlotPools) -> None:
+        self.pools = pools  # their memory_limit bounds memory-only snapshots (SlotBroker.acquire)
         self.book = book
         self.sidecar = sidecar
         self.broker = broker
@@ -52,7 +53,9 @@ class Dispatcher:
         book = self.book
         gen = self.broker.register(pool, timeout)
         asked = time.monotonic()
-        slot = self.broker.acquire(pool, timeout)
+        # a memory-only snapshot's RAM copy: its tensors, metadata and headers (ROOM)
+        ram = 0 if persist else pool.layout.nbytes + len(body) + ROOM
+        slot = self.broker.acquire(pool, timeout, ram, self.pools)
         slot_wait_s = time.monotonic() - asked
         if slot is None:
             return book.skipped(path, started)
@@ -75,7 +78,7 @@ class Dispatcher:
                 book.cond.notify_all()
                 raise book.broken or BrokenWriterError(
                     "the writer sidecar stopped while this snapshot was copied; submit again")
-            seq = book.add(slot, path, started, stage_s, gen, slot_wait_s)
+            seq = book.add(slot, path, started, stage_s, gen, slot_wait_s, not persist)
             handle = book.pending[seq].handle
         msg = {"path": path, "body": body, "umask": current_umask()}  # the files' mode of now
         if not persist:  # the sidecar holds it in the RAM tier (snapsvc.files.ramtier)

@@ -98,6 +98,7 @@ class Life:
                     if self.owner.attached is not None and book.kept is not None:
                         with book.cond:
                             book.kept = list(self.options["written"])
+                self.pools.memory_limit = self.options.get("memory_limit")  # not a service's
                 self.sidecar.start()
             self.options.pop("held", None)  # the first sidecar owns them now
             with book.cond:
@@ -131,6 +132,7 @@ class Life:
             log.warning("%s; starting a writer sidecar of this trainer's own", e)
             return False
         info = self.sidecar.service_info or {}
+        self.pools.memory_limit = lower(self.options.get("memory_limit"), info.get("memory"))
         if first:
             self.owner.attached = AttachReport(info["pid"], [p for p, _ in info["held"]],
                                                [(f["path"], f["error"]) for f in info["failures"]])
@@ -240,6 +242,12 @@ def take_over(directory: str, linger: float, options: dict) -> AttachReport | No
     for path, error in report.failures:
         log.error("while no trainer was attached, writing %s failed: %s", path, error)
     return report
+
+
+def lower(*limits: int | None) -> int | None:
+    """The lowest of the memory limits given (None: no limit)."""
+    given = [v for v in limits if v is not None]
+    return min(given) if given else None
 
 
 class Cadence:

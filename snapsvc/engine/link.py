@@ -173,7 +173,7 @@ class Sidecar:
         proc: Process | ServiceProcess
         if service is not None:
             proc, req, req_sock, rep, lock, self.service_info = _connect(
-                service, self._options.get("remote"), timeout)
+                service, self._options.get("remote"), timeout, self._options.get("memory_limit"))
         else:
             proc, req, req_sock, rep, lock = self._spawn()
             self.service_info = None
@@ -346,10 +346,10 @@ class ServiceProcess:
         self._sock.close()
 
 
-def _connect(path: str, remote: str | None, timeout: float) -> tuple[
+def _connect(path: str, remote: str | None, timeout: float, memory: int | None) -> tuple[
         ServiceProcess, Connection, socket.socket, Connection, ClaimLock, dict[str, Any]]:
-    """Attach to the service on ``path``: hello and the claim lock's fd out, its
-    hello and the session's sentinel back (``SCM_RIGHTS``)."""
+    """Attach to the service on ``path``: hello (with the trainer's ``memory_limit``) and
+    the claim lock's fd out, its hello and the session's sentinel back (``SCM_RIGHTS``)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(min(timeout, 10.0))
     try:
@@ -362,7 +362,7 @@ def _connect(path: str, remote: str | None, timeout: float) -> tuple[
         conn = None
         try:
             conn = Connection(os.dup(sock.fileno()))
-            conn.send_bytes(protocol.pack(HELLO, pid=os.getpid(), remote=remote))
+            conn.send_bytes(protocol.pack(HELLO, pid=os.getpid(), remote=remote, memory=memory))
             socket.send_fds(sock, [b"\0"], [lock.fd])
             msg = protocol.unpack(conn.recv_bytes()) if conn.poll(timeout) else None
             if msg is None or msg["op"] != HELLO:

@@ -28,7 +28,8 @@ values travel with each write, and the sidecar rebuilds only its headers
 pool, so a submit of an unchanged model does not walk it by name. Memory
 stays bounded: the pools of layouts that the last submit did not use are
 released as soon as they are idle (:meth:`SlotPools._trim`), and
-``max_slot_bytes`` caps the total.
+``max_slot_bytes`` caps the total (``memory_limit`` caps it with the RAM
+tier's copies: :meth:`SlotPools.room_for_copy`).
 
 Locking. A :class:`SlotPools` and its slots are guarded by the lock of the
 :class:`~snapsvc.engine.book.Book` of the writer that owns them: every method here
@@ -46,7 +47,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..errors import SlotBudgetError
+from ..errors import MemoryLimitError, SlotBudgetError
 from ..format.layout import BUFFER, EARLY, PARAM, Layout
 from ..state.memo import WalkMemo, Walked, walk
 from . import staging
@@ -260,9 +261,12 @@ class Plan:
 class SlotPools:
     """Pools by layout key, the plan cache, and the slot-memory budget."""
 
-    def __init__(self, slots: int, max_slot_bytes: int | None) -> None:
+    def __init__(self, slots: int, max_slot_bytes: int | None,
+                 memory_limit: int | None = None) -> None:
         self.slots = slots
         self.max_slot_bytes = max_slot_bytes
+        # slots plus the RAM tier's copies (the writer's, or its service's if lower)
+        self.memory_limit = memory_limit
         self._pools: dict[tuple, Pool] = {}
         self._plans: "weakref.WeakKeyDictionary[nn.Module, Plan]" = weakref.WeakKeyDictionary()
         self._by_id: dict[int, Slot] = {}
@@ -282,6 +286,33 @@ class SlotPools:
     @property
     def nbytes(self) -> int:
         return sum(s.capacity for s in self)
+
+    def cap(self) -> tuple[int, str] | None:
+        """The slots' budget: the lower of ``max_slot_bytes`` and ``memory_limit``,
+        and that option's name; None when neither is set."""
+        caps = [(v, name) for v, name in ((self.max_slot_bytes, "max_slot_bytes"),
+                                          (self.memory_limit, "memory_limit")) if v is not None]
+        return min(caps) if caps else None
+
+    def room_for_copy(self, pool: Pool, ram: int) -> bool:
+        """Whether a memory-only snapshot of ``pool`` (its RAM copy ``ram`` bytes) fits in
+        ``memory_limit`` beside the slots held now: the sidecar evicts older RAM copies,
+        oldest first, to make room; slots still in flight it never evicts. A copy that
+        cannot fit even beside this pool's slots alone is refused
+        (:class:`~snapsvc.errors.MemoryLimitError`), before a slot is taken."""
+        limit = self.memory_limit
+        if limit is None or not ram:
+            return True
+        own = sum(s.capacity for s in pool)
+        if own + ram > limit:
+            raise MemoryLimitError(
+                f"this memory-only snapshot needs {own + ram} bytes: {len(pool)} slot(s) of "
+                f"{own} bytes in all and about {ram} for its copy in RAM, more than "
+                f"memory_limit={limit}; raise memory_limit to at least {own + ram}, use "
+                "fewer slots, or persist it (persist=True: no RAM copy)")
+        # other pools' slots count while busy: idle ones are released at the next submit
+        busy = sum(s.capacity for s in self if s.busy and not any(s is m for m in pool))
+        return own + busy + ram <= limit
 
     def pool(self, key: tuple, layout: Callable[[], Layout], pin: bool) -> Pool:
         """The pool for ``key``: its own, an idle pool large enough laid out
@@ -321,18 +352,21 @@ class SlotPools:
             return
         need = count * lay.nbytes
         size = arena_bytes(lay)
-        if self.max_slot_bytes is not None:
-            if self.slots * lay.nbytes > self.max_slot_bytes:
-                raise SlotBudgetError(
+        cap = self.cap()
+        if cap is not None:
+            budget, option = cap
+            error = MemoryLimitError if option == "memory_limit" else SlotBudgetError
+            if self.slots * lay.nbytes > budget:
+                raise error(
                     f"this snapshot needs {self.slots} slots of {lay.nbytes} bytes "
-                    f"({self.slots * lay.nbytes} bytes), more than max_slot_bytes="
-                    f"{self.max_slot_bytes}; raise the budget or use fewer slots")
-            if self.nbytes + need > self.max_slot_bytes:
+                    f"({self.slots * lay.nbytes} bytes), more than {option}={budget}; "
+                    f"raise {option} or use fewer slots")
+            if self.nbytes + need > budget:
                 raise SlotBudgetError(
                     f"this snapshot needs {need} bytes of slots and {self.nbytes} are held by "
-                    f"snapshots still in flight; max_slot_bytes={self.max_slot_bytes}")
+                    f"snapshots still in flight; {option}={budget}")
             # the arenas' room is spare: only as much as the budget leaves
-            size = max(lay.nbytes, min(size, (self.max_slot_bytes - self.nbytes) // count))
+            size = max(lay.nbytes, min(size, (budget - self.nbytes) // count))
         made = []
         try:
             for _ in range(count):

@@ -4,7 +4,10 @@ A pool's shared memory is registered with the current sidecar once per
 generation (all its slots at once, while the sidecar is likely idle: it
 maps them in queue order). A free slot is then reserved by the writer's
 policy when all are busy: ``"block"`` waits, ``"skip"`` gives up,
-``"latest"`` takes back the newest queued, unstarted snapshot's slot. A pool
+``"latest"`` takes back the newest queued, unstarted snapshot's slot (a
+memory-only submit never takes a persisted one's). Under ``memory_limit`` a
+memory-only submit also needs room for its RAM copy; while slots in flight
+take it, the same policy applies. A pool
 may hold slots it took busy from pools of other layouts (names that changed,
 see :mod:`.pools`): the policy treats them as its own, and a slot is laid
 out for the pool's layout once reserved.
@@ -18,7 +21,7 @@ from ..errors import BrokenWriterError
 from ..format import protocol
 from .book import Book, Pending
 from .handles import WriteReport
-from .pools import RESERVED, Pool, Slot
+from .pools import RESERVED, Pool, Slot, SlotPools
 from .link import Sidecar
 from .staging import slot_fd
 from ..format.claims import REVOKED
@@ -70,8 +73,11 @@ class SlotBroker:
                                         "submit handed it its slots; submit again")
         return gen
 
-    def acquire(self, pool: Pool, timeout: float | None) -> Slot | None:
-        """A free slot of ``pool``, reserved for the caller, by the policy."""
+    def acquire(self, pool: Pool, timeout: float | None, ram: int = 0,
+                pools: SlotPools | None = None) -> Slot | None:
+        """A free slot of ``pool``, reserved for the caller, by the policy. ``ram``: the
+        bytes of a memory-only snapshot's RAM copy, which must fit in ``pools``'
+        ``memory_limit`` beside the slots (else the policy applies, as for a full pool)."""
         book = self.book
         deadline = None if timeout is None else time.monotonic() + timeout
         revoked = None
@@ -80,9 +86,11 @@ class SlotBroker:
                 if book.broken is not None:
                     raise book.broken
                 book.check_open()
-                slot = next((s for s in pool if s.seq is None and not s.copying), None)
-                if slot is None and self.policy == "latest":
-                    slot, revoked = self._revoke_newest(pool)
+                room = pools is None or pools.room_for_copy(pool, ram)
+                slot = next((s for s in pool if s.seq is None and not s.copying), None) \
+                    if room else None
+                if slot is None and room and self.policy == "latest":
+                    slot, revoked = self._revoke_newest(pool, bool(ram))
                 if slot is not None:
                     slot.seq = RESERVED
                     pool.take(slot)
@@ -91,6 +99,12 @@ class SlotBroker:
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    if not room and pools is not None:
+                        raise TimeoutError(
+                            f"no room for this memory-only snapshot within {timeout} s: "
+                            f"memory_limit={pools.memory_limit} is taken by slots of snapshots "
+                            "still in flight; give submit a longer timeout, raise memory_limit "
+                            "or persist it")
                     raise TimeoutError(f"no free slot within {timeout} s: the {len(pool)} slots "
                                        "that hold this snapshot are still being written; "
                                        "give submit a longer timeout or the writer more slots")
@@ -101,12 +115,16 @@ class SlotBroker:
                 total_s=time.monotonic() - revoked.started, seq=revoked.handle.seq))
         return slot
 
-    def _revoke_newest(self, pool: Pool) -> tuple[Slot | None, Pending | None]:
+    def _revoke_newest(self, pool: Pool, memory_only: bool) -> tuple[Slot | None, Pending | None]:
         """Take back the newest queued, unstarted snapshot's slot (cond held): of this
         pool's layout, or of one placed like it (the same checkpoint, its names
-        changed), never another model's, which "latest" does not supersede."""
+        changed), never another model's, which "latest" does not supersede. For a
+        ``memory_only`` snapshot, only a memory-only one: a snapshot on its way to
+        disk is never dropped for one that would live in RAM only (it waits instead)."""
+        pending = self.book.pending
         mine = [s for s in pool if s.seq and (s.layout is pool.layout
-                                              or s.layout.placed_like(pool.layout))]
+                                              or s.layout.placed_like(pool.layout))
+                and not (memory_only and s.seq in pending and not pending[s.seq].ram)]
         lock = self.sidecar.claim_lock
         if lock is None:  # no live sidecar: nothing queued there to take back
             return None, None

@@ -6,7 +6,6 @@ what and the locking are drawn in :mod:`snapsvc.engine`.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -33,7 +32,6 @@ from .snapshot import ModelSnapshot, as_metrics
 
 __all__ = ["SnapshotWriter", "WriteHandle", "WriteReport", "POLICIES"]
 
-log = logging.getLogger("snapsvc")
 
 POLICIES = ("block", "skip", "latest")
 
@@ -49,6 +47,7 @@ _OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "persist_every": (lambda v: v is None or v >= 1, ">= 1 or None"),
     "keep_in_memory": (lambda v: v >= 1, ">= 1"),
     "linger": (lambda v: v >= 0, ">= 0 (seconds)"),
+    "memory_limit": (lambda v: v is None or v >= 1, ">= 1 (bytes) or None"),
 }
 
 
@@ -94,13 +93,14 @@ class SnapshotWriter:
             training, and saves then wait for a free slot).
         fault_hook: for tests, an importable ``hook(stage, path)`` run in the sidecar.
         start_method: deprecated and ignored (:mod:`snapsvc.engine.link`).
+        memory_limit: bytes of RAM for slots plus the RAM tier's copies (a service's
+            ``--memory`` when lower); older RAM copies are evicted, never a snapshot in flight.
         remote: a second tier, ``s3://``/``gs://``/``az://`` or a mounted
             directory; each durable checkpoint is copied there by the sidecar,
             ``.meta`` last (:mod:`snapsvc.remote.upload`); ``handle.uploaded()``
             says when. Credentials come from the environment.
         remote_keep_last: rotates the remote tier as ``keep_last`` does the local.
-        remote_timeout: how long one upload may take, retries included, and
-            how long :meth:`close` waits for uploads.
+        remote_timeout: how long one upload (retries included) and :meth:`close` wait for uploads.
         remote_options: passed to obstore's ``from_url`` (and to the boto3 client
             that aborts leftover multipart uploads); checked here.
         persist_every: persist the K-th, 2K-th, ... submit of each series, the others RAM only.
@@ -126,11 +126,13 @@ class SnapshotWriter:
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
                  remote_options: Mapping[str, Any] | None = None,
                  persist_every: int | None = None, keep_in_memory: int = 1,
-                 linger: float = 0.0, service: str | os.PathLike[str] | None = None) -> None:
+                 linger: float = 0.0, service: str | os.PathLike[str] | None = None,
+                 memory_limit: int | None = None) -> None:
         _check_options(slots=slots, policy=policy, keep_last=keep_last, nice=nice,
                        compress_level=compress_level, incremental=incremental,
                        max_slot_bytes=max_slot_bytes, persist_every=persist_every,
-                       keep_in_memory=keep_in_memory, linger=linger, start_method=start_method)
+                       keep_in_memory=keep_in_memory, linger=linger, start_method=start_method,
+                       memory_limit=memory_limit)
         self._cadence = Cadence(persist_every)
         self.directory = os.path.abspath(directory) if directory is not None else None
         self.remote = check_remote(remote, self.directory, remote_keep_last, remote_timeout,
@@ -146,16 +148,18 @@ class SnapshotWriter:
                    "fault_hook": fault_hook, "remote": self.remote, "directory": self.directory,
                    "remote_keep_last": remote_keep_last, "remote_timeout": remote_timeout,
                    "remote_options": dict(remote_options or {}),
-                   "keep_in_memory": keep_in_memory, "linger": float(linger)}
+                   "keep_in_memory": keep_in_memory, "linger": float(linger),
+                   "memory_limit": memory_limit}
         self.attached: AttachReport | None = None  # set at start: see AttachReport
         self._pid = os.getpid()  # the owner: a forked child never acts on this writer
         self._book = Book(self._on_reader, keep_last=keep_last is not None,
                           remote=self.remote is not None)
         self._sidecar = Sidecar(options, self._on_report, self._on_exit)
-        self._pools = SlotPools(slots, max_slot_bytes)
+        self._pools = SlotPools(slots, max_slot_bytes, memory_limit)
         self._copier = Copier(overlap, incremental)
         self._broker = SlotBroker(self._book, self._sidecar, policy)
-        self._dispatch = Dispatcher(self._book, self._sidecar, self._broker, self._copier, overlap)
+        self._dispatch = Dispatcher(self._book, self._sidecar, self._broker, self._copier,
+                                    overlap, self._pools)
         self._life = Life(self, self._book, self._sidecar, self._copier, self._pools, options)
 
     # -- lifecycle -------------------------------------------------------------
@@ -219,9 +223,11 @@ class SnapshotWriter:
         """
         started = time.monotonic()
         self._check_caller("submit")
-        path = self._resolve(path, optimizer=optimizer is not None)
+        path = self._resolve(path, create=False, optimizer=optimizer is not None)
         if persist is None:
             persist = self._cadence.persist(path)
+        if persist:   # a memory-only snapshot makes no folder on disk
+            self._book.make_dir(os.path.dirname(path))
         extra = check_plain(extra, "extra")
         if isinstance(model_or_state, ModelSnapshot):
             metrics = model_or_state.metrics if metrics is None else metrics
@@ -331,19 +337,7 @@ class SnapshotWriter:
 
     # -- reports (on the reader thread) ----------------------------------------
     def _on_report(self, gen: int, msg: dict[str, Any]) -> None:
-        op = msg["op"]
-        if op == protocol.SLOT_OK:
-            with self._book.cond:
-                slot = self._pools.by_id(msg["slot"])
-                if slot is not None:
-                    slot.gen = gen
-                self._book.cond.notify_all()
-        elif op == protocol.DONE:
-            self._book.resolve(msg)
-        elif op == protocol.UPLOADED:
-            self._book.upload_done(msg)
-        else:
-            log.error("unexpected message from the writer: %r", op)
+        self._book.report(gen, msg, self._pools.by_id)
 
     def _on_exit(self, gen: int, proc: Any) -> None:
         self._book.lose(gen, proc, self._sidecar.gen)

@@ -31,8 +31,10 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import SnapsvcError, UnsafePathError
 from .metafile import META_SUFFIX, checkpoint_names, meta_path
+from .verify import verify
 
-__all__ = ["check_private", "ram_root", "ram_path", "held", "read_first", "drop", "series", "latest"]
+__all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
+           "read_first", "drop", "series", "ram_series", "complete", "number"]
 
 log = logging.getLogger("snapsvc")
 
@@ -47,6 +49,14 @@ def series(path: str) -> tuple[str, str]:
     """The series of ``path`` (keep_last's, keep_in_memory's, persist_every's):
     its directory and its name with digits masked."""
     return os.path.dirname(path), _DIGITS.sub("#", os.path.basename(path))
+
+
+def ram_series(path: str) -> tuple[str, str, str]:
+    """The series of ``path`` in the RAM tier (``keep_in_memory``'s): as :func:`series`,
+    and its folder's name with digits masked too, so the state files of
+    ``checkpoint-100/`` and ``checkpoint-200/`` replace each other."""
+    folder, name = series(path)
+    return os.path.dirname(folder), _DIGITS.sub("#", os.path.basename(folder)), name
 
 
 def check_private(path: str, create: bool) -> bool:
@@ -115,6 +125,37 @@ def held(path: str | os.PathLike[str]) -> str | None:
     return ram if ram is not None and os.path.exists(meta_path(ram)) else None
 
 
+def ram_folder(directory: str | os.PathLike[str]) -> str | None:
+    """The RAM tier's folder of the checkpoints in ``directory``; None when there is none."""
+    ram = ram_path(os.path.join(os.path.abspath(os.fspath(directory)), "x"))
+    return None if ram is None or not os.path.isdir(os.path.dirname(ram)) \
+        else os.path.dirname(ram)
+
+
+def problem(ram: str) -> str | None:
+    """The first thing wrong with the RAM copy ``ram`` (its size, the CRC-32 of each
+    part, its metadata), or None when it is whole: checked before a read trusts it."""
+    try:
+        report = verify(ram)
+    except (SnapsvcError, ValueError, OSError) as e:
+        return str(e)
+    return report.problems[0] if report.problems else None
+
+
+def good_copy(path: str | os.PathLike[str]) -> str | None:
+    """The RAM copy of ``path`` when one is held and whole; None when none is held,
+    or when it is bad (then a ``RuntimeWarning`` names the problem)."""
+    ram = held(path)
+    if ram is None:
+        return None
+    why = problem(ram)
+    if why is None:
+        return ram
+    warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({why}); reading it from disk "
+                  "instead", RuntimeWarning, stacklevel=2)
+    return None
+
+
 def drop(ram: str) -> None:
     """Remove a RAM copy, metadata first (it vouches for the rest), and its
     folders once empty."""
@@ -155,8 +196,10 @@ def read_first(reader: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _complete(folder: str) -> dict[str, tuple[int, float]]:
-    """Checkpoint names in ``folder`` whose metadata and file are there: (step, meta mtime)."""
+def complete(folder: str) -> dict[str, tuple[int, float]]:
+    """Checkpoint names in ``folder`` whose metadata and file are there: (the last
+    number in the name, or -1; the metadata's mtime). Newest first by these is what
+    :func:`snapsvc.latest` (:mod:`snapsvc.remote.listing`) answers."""
     found: dict[str, tuple[int, float]] = {}
     try:
         names = set(os.listdir(folder))
@@ -166,37 +209,11 @@ def _complete(folder: str) -> dict[str, tuple[int, float]]:
         name = meta[:-len(META_SUFFIX)]
         if not meta.endswith(META_SUFFIX) or name not in names:
             continue
-        digits = _DIGITS.findall(name)
-        found[name] = (int(digits[-1]) if digits else -1,
-                       os.stat(os.path.join(folder, meta)).st_mtime)
+        found[name] = (number(name), os.stat(os.path.join(folder, meta)).st_mtime)
     return found
 
 
-def latest(directory: str | os.PathLike[str], *,
-           remote: str | os.PathLike[str] | None = None) -> str | None:
-    """The newest complete checkpoint of ``directory`` across the RAM tier,
-    the disk and ``remote`` (a mounted directory), or None.
-
-    Newest: the highest number in its name (``step1200.fdl``), then the newest
-    metadata. Complete: its file and its ``.meta`` are there (the reads check
-    the CRCs). The answer is a path under ``directory`` (:func:`snapsvc.load`
-    reads its RAM copy when one is held), or under ``remote`` when only that
-    tier holds the newest. Ties go to the faster tier.
-    """
-    if remote is not None and "://" in os.fspath(remote):
-        raise NotImplementedError("latest(remote=URL) is not built yet: pass a mounted "
-                                  "directory, or use snapsvc.latest_checkpoint for steps")
-    directory = os.path.abspath(os.fspath(directory))
-    ram = ram_path(os.path.join(directory, "x"))
-    tiers = [(os.path.dirname(ram), directory)] if ram is not None else []
-    tiers.append((directory, directory))
-    if remote is not None:
-        tiers.append((os.fspath(remote), os.fspath(remote)))
-    best: tuple[tuple[int, float], int, str] | None = None
-    for rank, (folder, shown) in enumerate(tiers):
-        for name, key in _complete(folder).items():
-            # newer wins; at a tie the earlier (faster) tier stays
-            if best is None or key[0] > best[0][0] or (key[0] == best[0][0] and key[1] > best[0][1]
-                                                         and rank == best[1]):
-                best = (key, rank, os.path.join(shown, name))
-    return None if best is None else best[2]
+def number(name: str) -> int:
+    """The last number in a checkpoint's name (its step), -1 when it has none."""
+    digits = _DIGITS.findall(os.path.basename(name))
+    return int(digits[-1]) if digits else -1

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from ..errors import FormatError
 from ..files.metafile import META_SUFFIX, Meta, companions, parse_meta
+from ..files.ramtier import complete, number, problem, ram_folder
 from .fetch import Progress, run_sync
 from .store import Store, open_store
 
-__all__ = ["Listed", "StepScanner", "list_checkpoints"]
+__all__ = ["Listed", "StepScanner", "list_checkpoints", "latest"]
 
 log = logging.getLogger("snapsvc")
 
@@ -109,3 +112,42 @@ def list_checkpoints(tiers: list[tuple[str, str]], steps: StepScanner | None = N
             known.tiers.append(tier)
     return sorted(merged.values(), key=lambda r: (r.step is not None, r.step or 0,
                                                    r.created or 0.0, r.name), reverse=True)
+
+
+def latest(directory: str | os.PathLike[str], *,
+           remote: str | os.PathLike[str] | None = None,
+           remote_options: Mapping[str, Any] | None = None) -> str | None:
+    """The newest complete checkpoint of ``directory`` across the RAM tier, the
+    disk and ``remote`` (``s3://``/``gs://``/``az://`` or a mounted directory), or None.
+
+    Newest: the highest number in its name (``step1200.fdl``); at a tie the
+    faster tier (RAM, disk, remote), then the newest metadata. Complete: its file
+    and its ``.meta`` are there; a RAM copy is also checked whole (size and CRC-32
+    of every part): a bad one is skipped with a ``RuntimeWarning``, so the disk
+    copy, else the remote one, is the answer. The answer is a path under
+    ``directory`` (:func:`snapsvc.load` reads its RAM copy when one is held), or a
+    URL (or path) under ``remote`` when only that tier holds the newest; every
+    reader accepts both. Only the directory's own files count, not its subfolders.
+    ``remote_options``: as ``SnapshotWriter``'s, for obstore.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    found: list[tuple[int, int, float, str, str | None]] = []  # step, -tier, when, path, RAM copy
+    folder = ram_folder(directory)
+    if folder is not None:
+        found += [(step, 0, when, os.path.join(directory, name), os.path.join(folder, name))
+                  for name, (step, when) in complete(folder).items()]
+    found += [(step, -1, when, os.path.join(directory, name), None)
+              for name, (step, when) in complete(directory).items()]
+    if remote is not None:
+        base = os.fspath(remote).rstrip("/")
+        store = open_store(remote, options=remote_options)
+        found += [(number(item.name), -2, item.created or 0.0, f"{base}/{item.name}", None)
+                  for item in run_sync(_scan(store, None, None)) if "/" not in item.name]
+    for _, _, _, path, copy in sorted(found, key=lambda f: f[:3], reverse=True):
+        why = None if copy is None else problem(copy)
+        if why is not None:
+            warnings.warn(f"the RAM copy of {path} is bad ({why}); skipped for the next "
+                          "newest copy", RuntimeWarning, stacklevel=2)
+            continue
+        return path
+    return None

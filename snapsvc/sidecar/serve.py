@@ -69,7 +69,7 @@ class Service:
 
     def __init__(self, directory: str, *, sock: str | None = None, keep_last: int | None = None,
                  remote: str | None = None, keep_in_memory: int = 1,
-                 remote_timeout: float = 300.0) -> None:
+                 remote_timeout: float = 300.0, memory: int | None = None) -> None:
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         path = sock or socket_path(self.directory, create=True)
@@ -80,8 +80,9 @@ class Service:
             "remote": remote, "directory": self.directory, "remote_keep_last": None,
             "remote_timeout": remote_timeout, "remote_options": {}, "remote_scan": True,
             "remote_uncommit": (), "remote_names": None}
+        self.memory = memory  # --memory: slots plus RAM copies (a trainer's lower limit too)
         self.files = Files(keep_last, None, (), remote=spec, report=self._upload_report,
-                           keep_in_memory=keep_in_memory)
+                           keep_in_memory=keep_in_memory, memory_limit=memory)
         self.session: _Sidecar | None = None
         self.seqs: set[int] = set()  # the current session's uploads
         self.failures: list[dict[str, Any]] = []  # writes failed after their trainer left
@@ -205,7 +206,10 @@ class Service:
                 return
             failures, self.failures = self.failures, []
             conn.send_bytes(protocol.pack(HELLO, pid=os.getpid(), held=self.files.held(),
-                                          failures=failures, remote=self.remote))
+                                          failures=failures, remote=self.remote,
+                                          memory=self.memory))
+            limits = [v for v in (self.memory, hello.get("memory")) if v is not None]
+            self.files.memory_limit = min(limits) if limits else None  # for this session
             socket.send_fds(peer, [b"\0"], [sentinel_r])
             os.close(sentinel_r)
             sentinel_r = -1
@@ -222,6 +226,7 @@ class Service:
             finally:
                 self.session = None
                 self.failures += side.failures
+                self.files.memory_limit = self.memory
             log.info("trainer %s detached", hello.get("pid"))
         except (EOFError, OSError, ValueError) as e:
             log.warning("a trainer's session failed: %s", e)

@@ -154,7 +154,8 @@ class _Sidecar:
         assert slot is not None   # an unknown slot's why is a str
         if not self.claim(slot, seq):
             return {**base, "ok": True, "superseded": True}
-        return files.write(why, msg, base, trash)
+        return files.write(why, msg, base, trash,
+                           sum(len(s.memory) for s in self.slots.values()))
 
     def recv_slot(self) -> mmap.mmap:
         """Map the shared memory whose fd follows a SLOT message (``SCM_RIGHTS``)."""
@@ -328,7 +329,8 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
                             options.get("written", ()), remote=remote, report=side.report,
                             keep_in_memory=options.get("keep_in_memory", 1),
-                            held=options.get("held", ()))
+                            held=options.get("held", ()),
+                            memory_limit=options.get("memory_limit"))
 
     side.later = _Later(files, remote is not None)
     side.run(options)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
 from ..files.metafile import Meta, checkpoint_names, optim_path, write_with_meta
-from ..files.ramtier import drop, ram_path, series as _series
+from ..files.ramtier import drop, ram_path, ram_series, series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
@@ -48,6 +48,17 @@ class Encoders:
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
+def _size(ram: str) -> int:
+    """The bytes of a RAM copy's files."""
+    total = 0
+    for name in checkpoint_names(ram):
+        try:
+            total += os.stat(name).st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
 class Files:
     """Writes snapshots durably, rotates what ``keep_last`` drops and, with a
     remote tier, hands each durable checkpoint to the uploader thread."""
@@ -55,15 +66,19 @@ class Files:
     def __init__(self, keep_last: int | None, compress_level: int | None,
                  written: Any = (), remote: dict[str, Any] | None = None,
                  report: Callable[..., None] | None = None, keep_in_memory: int = 1,
-                 held: Any = ()) -> None:
+                 held: Any = (), memory_limit: int | None = None) -> None:
         self.keep_last = keep_last
-        # the RAM tier: series -> RAM copies this sidecar holds, oldest first; their paths
+        # the RAM tier: series -> RAM copies this sidecar holds, oldest first; their paths;
+        # their bytes, oldest first across series (memory_limit evicts in that order)
         self.keep_in_memory = keep_in_memory
-        self.in_ram: dict[tuple[str, str], list[str]] = {}
+        self.memory_limit = memory_limit
+        self.in_ram: dict[tuple[str, str, str], list[str]] = {}
         self.origin: dict[str, str] = {}
+        self.sizes: dict[str, int] = {}
         for path, ram in held:  # what a lingering sidecar handed over
-            self.in_ram.setdefault(_series(path), []).append(ram)
+            self.in_ram.setdefault(ram_series(path), []).append(ram)
             self.origin[ram] = path
+            self.sizes[ram] = _size(ram)
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         for old in written:  # what an earlier sidecar of this writer kept
@@ -144,16 +159,36 @@ class Files:
     def hold(self, path: str, ram: str) -> list[str]:
         """A memory-only snapshot of ``path`` is now held at ``ram``: drop the
         RAM copies of its series beyond the newest ``keep_in_memory``."""
-        mine = self.in_ram.setdefault(_series(path), [])
+        mine = self.in_ram.setdefault(ram_series(path), [])
         if ram in mine:
             mine.remove(ram)
         mine.append(ram)
         self.origin[ram] = path
+        self.sizes.pop(ram, None)
+        self.sizes[ram] = _size(ram)  # the newest, last
         for old in mine[:-self.keep_in_memory]:
-            mine.remove(old)
-            del self.origin[old]
-            drop(old)
+            self._forget(old)
         return []
+
+    def _forget(self, ram: str) -> None:
+        """Stop holding the RAM copy ``ram`` and free it."""
+        self.in_ram[ram_series(self.origin.pop(ram))].remove(ram)
+        self.sizes.pop(ram, None)
+        drop(ram)
+
+    def make_room(self, slot_bytes: int, incoming: int, keep: str | None = None) -> None:
+        """``memory_limit``: evict RAM copies, oldest first (never ``keep``), until they
+        and ``incoming`` bytes fit beside ``slot_bytes`` of slots. Slots are never
+        evicted: a snapshot in flight to disk is not dropped for one in RAM only."""
+        if self.memory_limit is None:
+            return
+        for ram in list(self.sizes):
+            if sum(self.sizes.values()) + incoming + slot_bytes <= self.memory_limit:
+                return
+            if ram != keep:
+                log.warning("memory_limit=%d: evicting the RAM copy of %s (the oldest held)",
+                            self.memory_limit, self.origin[ram])
+                self._forget(ram)
 
     def held(self) -> list[list[str]]:
         """[path, RAM copy] of every memory-only snapshot held, oldest first per series."""
@@ -165,12 +200,9 @@ class Files:
 
     def forget_ram(self, path: str) -> None:
         """``path`` was written to disk: a RAM copy of it, now older, goes."""
-        mine = self.in_ram.get(_series(path), [])
         ram = ram_path(path)
-        if ram is not None and ram in mine:
-            mine.remove(ram)
-            del self.origin[ram]
-            drop(ram)
+        if ram is not None and ram in self.in_ram.get(ram_series(path), []):
+            self._forget(ram)
 
     def drop_ram(self) -> None:
         """At exit: every RAM copy this sidecar holds goes, its memory freed."""
@@ -179,6 +211,7 @@ class Files:
                 drop(ram)
         self.in_ram.clear()
         self.origin.clear()
+        self.sizes.clear()
 
     def rotate(self, mine: list[str], trash: list[str]) -> list[str]:
         """Remove the files of a series beyond the newest ``keep_last``, except
@@ -207,9 +240,10 @@ class Files:
             return False
 
     def write(self, enc: Encoders, msg: dict[str, Any], base: dict[str, Any],
-              trash: list[str]) -> dict[str, Any]:
+              trash: list[str], slot_bytes: int = 0) -> dict[str, Any]:
         """Write one claimed snapshot; its report. Files replaced or rotated
-        away go to ``trash``, to be freed once the report is out."""
+        away go to ``trash``, to be freed once the report is out. ``slot_bytes``:
+        the slots mapped now (``memory_limit`` counts them)."""
         path = msg["path"]
         body = protocol.unpack_value(msg["body"])  # packed and checked at submit
         body.update(kinds.join({r: body.get(r) for r in ("state", "extra")}, body["kinds"]))
@@ -218,20 +252,24 @@ class Files:
                     extra=body.get("extra"), optimizer=body.get("optim"),
                     state=body.get("state"), extra_state=body.get("extra_state"))
         ram = msg.get("ram", False)
-        if ram:  # memory-only: the same files, under the RAM tier's mirror of the path
-            dest = ram_path(path, create=True)
-            assert dest is not None
-        else:
-            dest = path
-        optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
         if "umask" in msg:  # the trainer's at submit: files get the mode open() would give them then
             os.umask(msg["umask"] | (0o077 if ram else 0))  # RAM copies: 0600, as shared memory
         try:
             with self.lock:
+                # room first (an eviction may remove the folder): its copy, about its
+                # tensors, metadata and headers (64 KiB)
+                self.make_room(slot_bytes,
+                               enc.layout.nbytes + len(msg["body"]) + (64 << 10) if ram else 0)
+                # memory-only: the same files, under the RAM tier's mirror of the path
+                dest = ram_path(path, create=True) if ram else path
+                assert dest is not None
+                optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
                 stats = write_with_meta(dest, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,
                                         data=enc.data, trash=trash)
                 removed = self.hold(path, dest) if ram else self.prune(path, trash)
+                if ram:  # its measured size may exceed the estimate
+                    self.make_room(slot_bytes, 0, keep=dest)
                 if not ram and self.in_ram:
                     self.forget_ram(path)
         except OSError as e:

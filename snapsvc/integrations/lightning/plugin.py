@@ -58,6 +58,7 @@ import torch
 from ...engine.writer import SnapshotWriter, WriteHandle
 from ...errors import FormatError, PathError
 from ...files.checkpoint import checkpoint_version
+from ...files.ramtier import held, read_first
 from ...state.readback import load
 from ...state.resume import checkpoint_files
 from ...state.tree import StepState
@@ -74,7 +75,8 @@ class SnapsvcCheckpointIO:
     """A Lightning ``CheckpointIO`` plugin that writes through a snapsvc sidecar.
 
     ``writer_options`` go to :class:`snapsvc.SnapshotWriter` (``overlap=True``: see
-    the module docstring); the sidecar starts
+    the module docstring; the restart tier's ``persist_every``, ``keep_in_memory``,
+    ``linger`` and ``memory_limit``: docs/restart.md); the sidecar starts
     at the first save and stops at ``teardown`` (the end of each ``fit``), or
     right after a save outside a running ``fit``, which returns once written; a
     plugin used without a trainer stops it when garbage-collected, its writes landed.
@@ -131,7 +133,12 @@ class SnapsvcCheckpointIO:
         checkpoint = encode_hparams(checkpoint)
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's own IO does: no one else makes it
         if self._writer is None:
-            self._writer = SnapshotWriter(**self._options).start()
+            options = self._options
+            if options.get("linger") and options.get("directory") is None:
+                # a sidecar lingers for, and a restarted run finds it by, a directory:
+                # the checkpoints' (paths are absolute, so nothing else changes)
+                options = {**options, "directory": os.path.dirname(path)}
+            self._writer = SnapshotWriter(**options).start()
             # used without a trainer, nothing calls teardown: dropping the plugin stops its sidecar
             self._release = weakref.finalize(self, _release, self._writer, self._removals, self.timeout)
         fitting = self._trainer is None or self._fitting()  # used alone, with no trainer: asynchronous
@@ -415,11 +422,13 @@ def _mark_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_snapsvc_file(path: Any) -> bool:
-    """Whether ``path`` is a local ``.fdl`` file (its magic and version read)."""
+    """Whether ``path`` is a local ``.fdl`` file (its magic and version read), or one
+    the sidecar holds in RAM."""
     if not isinstance(path, (str, os.PathLike)):
         return False
     try:
-        checkpoint_version(local_path(path))
+        local = local_path(path)
+        checkpoint_version(held(local) or local)
     except (OSError, FormatError, PathError):
         return False
     return True
@@ -442,8 +451,9 @@ def local_path(path: str | os.PathLike[str]) -> str:
 
 
 def read(path: str, device: str | torch.device | None) -> dict[str, Any]:
-    """The checkpoint at ``path`` (a link read through), hyper-parameters decoded, on ``device``."""
-    state = decode_hparams(load(os.path.realpath(path)))
+    """The checkpoint at ``path`` (a link read through), hyper-parameters decoded, on ``device``;
+    from the sidecar's RAM copy when it holds one (a memory-only save: ``persist_every``)."""
+    state = decode_hparams(read_first(load)(os.path.realpath(path)))
     if device is None:
         return state
     from lightning_utilities.core.apply_func import apply_to_collection

@@ -20,7 +20,16 @@ from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.training_args import ParallelMode
 
 from ...distributed import MANIFEST_NAME, read_manifest, restore_distributed
-from ...state.readback import load
+from ...files.ramtier import held, read_first
+from ...state.readback import load as _load
+
+# a memory-only checkpoint's state file lives in the sidecar's RAM (persist_every)
+load = read_first(_load)
+
+
+def _present(path: str) -> bool:
+    """Whether the state file ``path`` is on disk, or held in the sidecar's RAM."""
+    return os.path.isfile(path) or held(path) is not None
 
 __all__ = ["STATE_FILE", "SnapsvcResume", "rng_state", "set_rng_state"]
 
@@ -69,7 +78,7 @@ class SnapsvcResume(_TrainerBase):
     def _snapsvc_file(self, checkpoint: str, key: str) -> str:
         """The file holding ``key``: the state file, or in a multi-rank checkpoint the main
         process's (rank 0) and for RNG states this rank's."""
-        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+        if _present(os.path.join(checkpoint, STATE_FILE)):
             return os.path.join(checkpoint, STATE_FILE)
         rank = self.args.process_index if key == "rng" else 0
         return os.path.join(checkpoint, f"rank{rank}.fdl")
@@ -78,7 +87,7 @@ class SnapsvcResume(_TrainerBase):
         """``key`` of ``checkpoint`` (None if absent), handed out once: a file is read at
         the start of a resume (``fresh``) and kept until the RNG state is taken."""
         path = self._snapsvc_file(checkpoint, key)
-        if not os.path.isfile(path):
+        if not _present(path):
             return None    # a rank of a run with more processes than the saving one
         if fresh or self._snapsvc_loaded is None or self._snapsvc_loaded[0] != path:
             self._snapsvc_loaded = (path, load(path))
@@ -86,8 +95,9 @@ class SnapsvcResume(_TrainerBase):
 
     @staticmethod
     def _snapsvc_ours(checkpoint: str | None) -> TypeGuard[str]:
-        return checkpoint is not None and any(
-            os.path.isfile(os.path.join(checkpoint, n)) for n in (STATE_FILE, MANIFEST_NAME))
+        return checkpoint is not None and (
+            _present(os.path.join(checkpoint, STATE_FILE))
+            or os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)))
 
     @staticmethod
     def _snapsvc_sharded(checkpoint: str) -> bool:

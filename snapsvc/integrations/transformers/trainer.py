@@ -41,7 +41,12 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
 
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
     for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
-    ``fault_hook``, ...); on a CPU run the sidecar runs at training's priority
+    ``fault_hook``, the restart tier's ``linger``, ``keep_in_memory`` and
+    ``memory_limit``, ...). ``persist_every=K`` there: the K-th, 2K-th, ... save
+    of this trainer is written to disk, the others are memory-only (their
+    ``checkpoint-<N>`` holds HF's files, its state file is the sidecar's RAM copy,
+    resumable while a sidecar holds it; multi-process runs persist every save).
+    On a CPU run the sidecar runs at training's priority
     (the writer's default ``nice``). The writer
     (:attr:`snapsvc_writer`) starts at the first save and lives until
     :meth:`close` or interpreter exit; with
@@ -59,6 +64,13 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         if "directory" in self.snapsvc_options or "keep_last" in self.snapsvc_options:
             raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
                              "come from args.output_dir and rotation from save_total_limit")
+        # counted here, per save: each checkpoint-<N>/ is a series of its own to the writer
+        self._snapsvc_every = self.snapsvc_options.pop("persist_every", None)
+        if self._snapsvc_every is not None and (type(self._snapsvc_every) is not int
+                                                or self._snapsvc_every < 1):
+            raise ValueError(f"persist_every must be an int >= 1 or None, got "
+                             f"{self._snapsvc_every!r}")
+        self._snapsvc_saves = 0
         self.snapsvc_writer: SnapshotWriter | DistributedSnapshotWriter | None = None
         self._snapsvc_committer = Committer()
         self._snapsvc_loaded: tuple[str, dict[str, Any]] | None = None
@@ -97,7 +109,10 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
 
     def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
         if self.snapsvc_writer is None and not self._snapsvc_distributed:
-            self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options).start()
+            options = self.snapsvc_options
+            if options.get("linger"):   # a sidecar lingers for, and is found by, a directory
+                options = {**options, "directory": self.args.output_dir}
+            self.snapsvc_writer = SnapshotWriter(**options).start()
         elif self.snapsvc_writer is None:
             # Every rank saves the same steps, so every rank is here. Leftovers of
             # a crashed run are removed before any rank writes.
@@ -177,7 +192,13 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
             else:
                 self._snapsvc_committer.remove_leftovers(run_dir)
                 os.makedirs(staging)
-                handle = writer.submit(state, os.path.join(staging, STATE_FILE))
+                self._snapsvc_saves += 1
+                every = self._snapsvc_every
+                if every is None or self._snapsvc_saves % every == 0:
+                    handle = writer.submit(state, os.path.join(staging, STATE_FILE))
+                else:   # the state held in RAM under its final name; HF's files committed
+                    handle = writer.submit(state, os.path.join(final, STATE_FILE),
+                                           persist=False)
             if self.args.should_save:
                 self._snapsvc_write_hf_files(staging)
             else:
