@@ -4,6 +4,7 @@ with DCP's FileSystemWriter/Reader as the control in the same world."""
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -33,12 +35,16 @@ def make_state(rank: int, world: int) -> dict:
 def zeroed(sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
+        if k == "p":
+            continue
         if isinstance(v, torch.Tensor):
             z = v.detach().clone()
             (z.to_local() if hasattr(z, "to_local") else z).zero_()
             out[k] = z
         else:
             out[k] = {"epoch": 0, "name": ""}
+    if "p" in sd:
+        out["p"] = torch.zeros(4)
     return out
 
 
@@ -48,7 +54,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def scenario_round_trip(rank: int, world: int, tmp: str) -> dict:
     sd = make_state(rank, world)
+    p = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sd["p"] = p
     w = SnapsvcStorageWriter(os.path.join(tmp, "snap", "step_1"), coord_timeout=30)
+    out = {}
     try:
         dcp.save(sd, storage_writer=w)
         pid = w._writer.writer.pid
@@ -56,29 +66,40 @@ def scenario_round_trip(rank: int, world: int, tmp: str) -> dict:
         with torch.no_grad():
             local(sd["w"]).add_(1.0)
         dcp.save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_2"), storage_writer=w)
-        # dcp.async_save (THREAD, DCP's own stager): the step after it never reaches the file
-        fut = dcp.async_save(sd, checkpoint_id=os.path.join(tmp, "snap", "step_3"),
-                             storage_writer=w)
-        staged = local(sd["w"]).clone()   # also the value step_2 holds
-        with torch.no_grad():
-            local(sd["w"]).add_(100.0)
-        fut.result(timeout=60)
-        with torch.no_grad():
-            local(sd["w"]).copy_(staged)
-        same = pid is not None and w._writer.writer.pid == pid
+        staged = {"w": local(sd["w"]).clone(), "p": p.detach().clone()}   # step_2's values
+        # dcp.async_save with the writer as its stager, THREAD then PROCESS: the training
+        # step right after async_save returns (an optimizer step, a DTensor update) never
+        # reaches the file
+        for step, mode in ((3, AsyncCheckpointerType.THREAD), (4, AsyncCheckpointerType.PROCESS)):
+            fut = dcp.async_save(sd, checkpoint_id=os.path.join(tmp, "snap", f"step_{step}"),
+                                 storage_writer=w, async_checkpointer_type=mode)
+            p.grad = torch.ones(4)
+            opt.step()
+            with torch.no_grad():
+                local(sd["w"]).add_(100.0)
+            fut.result(timeout=90)
+            with torch.no_grad():   # back to the staged values for the next save
+                local(sd["w"]).copy_(staged["w"])
+                p.copy_(staged["p"])
+        out["same_sidecar"] = pid is not None and w._writer.writer.pid == pid
+        out["held_after"] = len(w._held)
+        # what PROCESS mode pickles: tickets and DCP's write items, no tensor bytes
+        big = {"x": torch.zeros(1 << 16)}
+        out["pickled_small"] = len(pickle.dumps(w.stage(big))) < 2048
     finally:
         w.close()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "fs")))
-    out = {"same_sidecar": same}
-    got_async = zeroed(sd)
-    dcp.load(got_async,
-             storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_3")))
-    out["async"] = torch.equal(local(got_async["w"]), staged)
+    for step in (3, 4):
+        got = zeroed(sd)
+        dcp.load(got, storage_reader=SnapsvcStorageReader(
+            os.path.join(tmp, "snap", f"step_{step}")))
+        out[f"async{step}"] = (torch.equal(local(got["w"]), staged["w"])
+                               and torch.equal(got["p"], staged["p"]))
     got_snap, got_fs = zeroed(sd), zeroed(sd)
     dcp.load(got_snap, storage_reader=SnapsvcStorageReader(os.path.join(tmp, "snap", "step_2")))
     dcp.load(got_fs, storage_reader=dcp.FileSystemReader(os.path.join(tmp, "fs")))
     for name, got in (("snap", got_snap), ("fs", got_fs)):
-        out[name] = (torch.equal(local(got["w"]), local(sd["w"]))
+        out[name] = (torch.equal(local(got["w"]), local(sd["w"])) and torch.equal(got["p"], p)
                      and torch.equal(got["b"], sd["b"]) and got["meta"] == sd["meta"])
     return out
 
@@ -117,7 +138,8 @@ def test_round_trip_bit_exact_beside_filesystem_writer(saved):
     tmp, codes, results = saved
     assert codes == [0, 0], results
     for res in results:
-        assert res == {"same_sidecar": True, "async": True, "snap": True, "fs": True}, res
+        assert res == {"same_sidecar": True, "held_after": 0, "pickled_small": True, "async3": True, "async4": True,
+                       "snap": True, "fs": True}, res
     step = tmp / "snap" / "step_2"
     assert {".metadata", "manifest.msgpack", "rank0.fdl", "rank0.fdl.meta", "rank1.fdl",
             "rank1.fdl.meta"} <= set(os.listdir(step))
@@ -129,7 +151,7 @@ def test_round_trip_bit_exact_beside_filesystem_writer(saved):
 def test_reshard_2_to_1(saved):
     tmp, _, _ = saved
     sd = {"w": torch.zeros(8, 8), "b": torch.zeros(5, dtype=torch.bfloat16),
-          "meta": {"epoch": 0, "name": ""}}
+          "meta": {"epoch": 0, "name": ""}, "p": torch.zeros(4)}
     dcp.load(sd, storage_reader=SnapsvcStorageReader(tmp / "snap" / "step_1"), no_dist=True)
     assert torch.equal(sd["w"], FULL_W)
     assert torch.equal(sd["b"], torch.arange(5, dtype=torch.bfloat16))

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.held import Held, send_held
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..state.tree import check_plain
@@ -293,7 +294,9 @@ class DistributedSnapshotWriter:
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
             os.makedirs(d, exist_ok=True)   # every rank: shared filesystem, any may be first
-            if isinstance(model, Mapping) and _holds_dtensor(model):
+            if isinstance(model, Held):   # snapsvc.dcp's staged copy; extra: its plain values
+                handle.local = send_held(self._writer, model, handle.file, extra or {})
+            elif isinstance(model, Mapping) and _holds_dtensor(model):
                 if optimizer is not None or extra is not None:
                     raise TypeError("with a state mapping, put optimizers and extra values "
                                     "inside the mapping")
