@@ -194,3 +194,27 @@ def test_rank_killed_mid_save_writes_no_metadata(tmp_path):
     step = tmp_path / "snap" / "step_1"
     assert not (step / ".metadata").exists()
     assert not (step / "manifest.msgpack").exists()
+
+
+@pytest.mark.timeout(150)
+def test_reads_only_the_pieces_asked_for_each_crc_checked(saved, tmp_path):
+    """A byte flipped inside rank 0's piece of "w": loading "b" alone reads only b's byte
+    range (it loads); loading "w" reads the damaged piece: FormatError, nothing changed."""
+    tmp, _, _ = saved
+    step = tmp_path / "step_1"
+    shutil.copytree(tmp / "snap" / "step_1", step)
+    piece = next(e for e in snapsvc.read_manifest(str(step)).ranks[0].entries
+                 if e["name"] == "w")
+    data = bytearray((step / "rank0.fdl").read_bytes())
+    data[(piece["data"] + piece["end"]) // 2] ^= 0x01
+    (step / "rank0.fdl").write_bytes(bytes(data))
+    only_b = {"b": torch.zeros(5, dtype=torch.bfloat16)}
+    dcp.load(only_b, storage_reader=SnapsvcStorageReader(step), no_dist=True)
+    assert torch.equal(only_b["b"], torch.arange(5, dtype=torch.bfloat16))
+    sd = {"w": torch.full((8, 8), 7.0), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(sd, storage_reader=SnapsvcStorageReader(step), no_dist=True)
+    failure = info.value.failures[0][0]
+    assert isinstance(failure, snapsvc.FormatError) and "CRC-32" in str(failure), failure
+    assert torch.equal(sd["w"], torch.full((8, 8), 7.0))
+    assert torch.equal(sd["b"], torch.zeros(5, dtype=torch.bfloat16))

@@ -1,10 +1,10 @@
 """What ``SnapsvcStorageWriter.stage()`` hands to DCP: placeholders for tensors copied into a slot.
 
-``stage()`` flattens the state as DCP's planner does, copies every tensor
-(a DTensor's local shard) into one of the rank's shared-memory slots, and
-returns the state with each tensor replaced by a :class:`StagedTensor`: its
-ticket (which held slot) and DCP's write items, computed from the live
-tensor. DCP's planner asks it for its write items (``__create_write_items__``,
+``stage()`` copies the rank's pieces of the state into one of the rank's
+shared-memory slots (as ``DistributedSnapshotWriter.submit`` of a state
+mapping would), and returns the state with each tensor replaced by a
+:class:`StagedTensor`: its ticket (which held slot) and DCP's write items,
+computed from the live tensor. DCP's planner asks it for its write items (``__create_write_items__``,
 the hook DTensor uses), so the plan is the one the tensors would have made.
 A placeholder pickles as a few numbers: ``async_save`` in PROCESS mode sends
 the checkpoint process slot tickets, never tensor bytes.
@@ -18,13 +18,12 @@ from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from ..state.tree import is_dtensor
-from .layout import entry_key
 
-__all__ = ["StagedTensor", "take_apart", "ticket_of"]
+__all__ = ["StagedTensor", "placeholders", "ticket_of"]
 
 
 class StagedTensor:
@@ -51,15 +50,11 @@ class StagedTensor:
         return f"StagedTensor(ticket={self.ticket}, items={len(self.items)})"
 
 
-def take_apart(state_dict: Mapping[str, Any], ticket: int
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(the tensors to copy by entry key, the staged state to hand DCP).
-
-    Non-tensor values are deep-copied into the staged state: DCP's planner
-    stores them as bytes items at write time, and they must be those of now.
-    """
+def placeholders(state_dict: Mapping[str, Any], ticket: int) -> dict[str, Any]:
+    """The staged state handed to DCP: ``state_dict`` with each tensor a :class:`StagedTensor`
+    of ``ticket`` (its write items computed from the live tensor now), the other values
+    deep-copied (DCP plans them as bytes items; snapsvc keeps them in its state tree)."""
     flat, mappings = flatten_state_dict(dict(state_dict))
-    tensors: dict[str, torch.Tensor] = {}
     staged: dict[str, Any] = {}
     for fqn, value in flat.items():
         if not isinstance(value, torch.Tensor):
@@ -71,15 +66,8 @@ def take_apart(state_dict: Mapping[str, Any], ticket: int
         if is_dtensor(value) and value.device_mesh.get_coordinate() is None:
             staged[fqn] = StagedTensor(ticket, [])   # not on this rank's mesh: no write
             continue
-        items = _create_write_items(fqn, value)
-        local = value.to_local() if is_dtensor(value) else value
-        for it in items:
-            if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
-                raise TypeError(f"{fqn!r}: a {type(value).__name__} that DCP writes as bytes; "
-                                "SnapsvcStorageWriter stages tensors and DTensors")
-            tensors[entry_key(it.index, True)] = local.detach()
-        staged[fqn] = StagedTensor(ticket, items)
-    return tensors, unflatten_state_dict(staged, mappings)
+        staged[fqn] = StagedTensor(ticket, _create_write_items(fqn, value))
+    return unflatten_state_dict(staged, mappings)
 
 
 def ticket_of(state_dict: Any) -> int | None:

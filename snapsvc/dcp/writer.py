@@ -14,26 +14,24 @@ on every rank. ``dcp.save`` (no stage) copies in :meth:`write_data`.
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import math
 import os
 import pickle
 import threading
 from typing import Any, Mapping, cast
 
-import torch
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..distributed.writer import DistributedSnapshotWriter
-from ..engine.held import Held, hold, release_held
-from .layout import META_KEY, _Refusal, entry_key, is_step_path, plans_meta, step_of
+from ..engine.held import Held, release_held
+from .layout import _Refusal, is_step_path, metadata_token, step_of
 from .relay import Relay, call
-from .staged import take_apart, ticket_of
+from .staged import placeholders, ticket_of
 
 __all__ = ["SnapsvcStorageWriter"]
 
@@ -80,13 +78,14 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
 
     # -- DCP's AsyncStager ---------------------------------------------------------
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
-        """Copy the state's tensors into a slot; return once copied, with tickets for them."""
+        """Copy the rank's pieces of the state into a slot; return once copied, with
+        tickets in place of the tensors."""
         writer = self._ensure_writer()
         with self._lock:
             self._ticket += 1
             ticket = self._ticket
-        tensors, staged = take_apart(state_dict, ticket)
-        held = hold(writer.writer, tensors)
+        staged = placeholders(state_dict, ticket)   # refuses what DCP cannot plan, first
+        held = writer._hold(state_dict)
         with self._lock:
             self._held[ticket] = held
         return staged
@@ -121,56 +120,35 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Keep DCP's metadata in plain values, for rank 0's ``.meta`` (never a pickle)."""
-        return [dataclasses.replace(plans[0], storage_data=plans_meta(plans)), *plans[1:]]
+        """The plans, unchanged: DCP's metadata is rebuilt from snapsvc's at load."""
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Hand the rank's staged slot (or its tensors, copied now) and bytes items to its
-        sidecar; the future resolves once the step is durable on every rank."""
-        ticket = ticket_of(getattr(planner, "state_dict", None))
-        tensors: dict[str, torch.Tensor] = {}
-        plain: dict[str, Any] = {}
-        results = []
+        """Hand the rank's staged slot (or its state, copied now) to its sidecar; the
+        future resolves once the step is durable on every rank."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            for item in plan.items:
-                is_tensor = item.type != WriteItemType.BYTE_IO
-                key = entry_key(item.index, is_tensor)
-                if is_tensor and ticket is not None:   # staged: in the held slot already
-                    size = _nbytes(item)
-                elif is_tensor:
-                    data = planner.resolve_data(item)
-                    assert isinstance(data, torch.Tensor)
-                    tensors[key] = data.detach()
-                    size = data.numel() * data.element_size()
-                else:
-                    data = planner.resolve_data(item)
-                    assert isinstance(data, io.BytesIO)   # what resolve_data gives a BYTE_IO item
-                    plain[key] = data.getvalue()
-                    size = len(plain[key])
-                results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                           storage_data=key))
-            if isinstance(plan.storage_data, dict):   # rank 0's plan carries the metadata
-                plain[META_KEY] = plan.storage_data
+            ticket = ticket_of(getattr(planner, "state_dict", None))
             if self._remote_call is not None:
-                address, key_, timeout = self._remote_call
+                address, authkey, timeout = self._remote_call
                 if ticket is None:
                     raise ValueError("a SnapsvcStorageWriter in DCP's checkpoint process writes "
                                      "only what its stage() staged (use dcp.async_save)")
-                call(address, key_, (ticket, self.path, plain), timeout)
+                call(address, authkey, (ticket, self.path), timeout)
             else:
-                self._write(ticket, tensors, self.path, plain)
+                self._write(ticket, None if ticket is not None else _planned_state(planner),
+                            self.path)
         except BaseException as e:
             self._done()
             # torch's stub types the argument as the result type; it takes an exception
             fut.set_exception(e)  # type: ignore[arg-type]
             return fut
-        fut.set_result(results)
+        fut.set_result([WriteResult(index=item.index, size_in_bytes=_nbytes(item),
+                                    storage_data=None) for item in plan.items])
         return fut
 
-    def _write(self, ticket: int | None, tensors: Mapping[str, torch.Tensor], path: str,
-               plain: dict[str, Any]) -> None:
-        """(the trainer) Write ticket's held slot, or ``tensors`` copied now, as the step
+    def _write(self, ticket: int | None, state: Mapping[str, Any] | None, path: str) -> None:
+        """(the trainer) Write ticket's held slot, or ``state`` copied now, as the step
         ``path`` names; return once it is durable on every rank."""
         writer = self._writer
         root, step = step_of(path)
@@ -178,7 +156,8 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
             raise ValueError(f"{path}: this SnapsvcStorageWriter saves under "
                              f"{writer.directory if writer else 'nothing (closed)'}")
         if ticket is None:
-            held = hold(writer.writer, tensors)
+            assert state is not None
+            held = writer._hold(state)
         else:
             with self._lock:
                 held_or_none = self._held.pop(ticket, None)
@@ -191,7 +170,7 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
                                  "writer was closed since stage()")
             held = held_or_none
         try:
-            handle = writer.submit(cast(Any, held), step, extra=plain)
+            handle = writer.submit(cast(Any, held), step)
         finally:
             release_held(writer.writer, held)   # a no-op once submit sent it
         handle.result(timeout=writer.write_timeout + 2 * writer.coord_timeout)
@@ -203,7 +182,7 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
                             "PROCESS mode, after its stage()")
         with self._lock:
             if self._relay is None:
-                self._relay = Relay(lambda ticket, path, plain: self._write(ticket, {}, path, plain))
+                self._relay = Relay(lambda ticket, path: self._write(ticket, None, path))
         w = self._writer
         return {"path": self.path, "persist": self.persist,
                 "remote_call": (self._relay.address, self._relay.authkey,
@@ -223,8 +202,9 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
             if self._coordinator:
                 path = os.path.join(self.path, METADATA_NAME)
                 tmp = path + ".tmp"
+                token = metadata_token(self.path, step_of(self.path)[1])
                 with open(tmp, "wb") as f:
-                    pickle.dump(_Refusal(), f)
+                    pickle.dump(_Refusal(token), f)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
@@ -266,7 +246,18 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
 
 
 def _nbytes(item: WriteItem) -> int:
-    """The bytes of a tensor write item's chunk."""
+    """The bytes of a tensor write item's chunk (0 for a bytes item: in the state tree)."""
     td = item.tensor_data
-    assert td is not None
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+    return 0 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+
+
+def _planned_state(planner: SavePlanner) -> Mapping[str, Any]:
+    """The state ``dcp.save`` planned, nested again (DefaultSavePlanner flattens it)."""
+    state = getattr(planner, "state_dict", None)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{type(planner).__name__} keeps no state_dict: SnapsvcStorageWriter "
+                        "saves with DCP's DefaultSavePlanner or one derived from it")
+    mappings = getattr(planner, "mappings", None)
+    if getattr(planner, "flatten_state_dict", False) and mappings:
+        return unflatten_state_dict(dict(state), mappings)
+    return state

@@ -46,7 +46,8 @@ class Held:
     started: float
     stage_s: float
     slot_wait_s: float
-    tree: Any = None
+    tree: Any = None     # the state tree of its metadata
+    info: Any = None     # what the caller keeps with it (the distributed writer: its records)
     done: bool = False   # booked or given back: the slot is no longer this copy's
 
 

@@ -4,8 +4,8 @@ DCP's ``AsyncStager.stage()`` copies the state before the save knows where
 it goes (the checkpoint id comes with the save, and DCP's bytes items with
 its plan). :func:`hold` takes a slot and copies a state mapping's tensors
 into it (the same pools, kept walks and copier as ``submit``) and keeps it
-reserved; :func:`send_held` books and sends the write once the path and
-the plain values are known; :func:`release_held` gives the slot back when
+reserved; :func:`send_held` books and sends the write once the path is
+known; :func:`release_held` gives the slot back when
 the save is abandoned.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..state.tree import check_plain
 from .dispatch import Held
@@ -26,10 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["Held", "hold", "send_held", "release_held"]
 
 
-def hold(writer: SnapshotWriter, state: Mapping[str, Any],
-         timeout: float | None = None) -> Held:
-    """Copy ``state``'s tensors into a slot of ``writer`` and keep it reserved,
-    unsent. Only the tensors are kept: plain values come with :func:`send_held`."""
+def hold(writer: SnapshotWriter, state: Any, timeout: float | None = None) -> Held:
+    """Copy the tensors of ``state`` (a state mapping, or a :class:`~snapsvc.state.tree.Flat`)
+    into a slot of ``writer`` and keep it reserved, unsent."""
     started = time.monotonic()
     writer._check_caller("stage")
     if writer.overlap or writer.policy != "block":
@@ -45,15 +44,15 @@ def hold(writer: SnapshotWriter, state: Mapping[str, Any],
 
 
 def send_held(writer: SnapshotWriter, held: Held, path: str | os.PathLike[str],
-              plain: Mapping[str, Any]) -> WriteHandle:
-    """Write the slot :func:`hold` filled to ``path``, with ``plain`` added to the
-    top level of its state; the slot is given back if this raises before sending."""
+              extra: Any = None) -> WriteHandle:
+    """Write the slot :func:`hold` filled to ``path`` (``extra``: plain data for its
+    metadata); the slot is given back if this raises before sending."""
     try:
         writer._check_caller("submit")
         full = writer._resolve(path)
-        tree = {**held.tree, **check_plain(dict(plain), "state")}
         body = pack_body(full, held.pool.buffer_bytes, False, epoch=0, metrics={},
-                         extra=None, optim=None, state=tree, extra_state=None)
+                         extra=check_plain(extra, "extra"), optim=None, state=held.tree,
+                         extra_state=None)
     except BaseException:
         release_held(writer, held)
         raise
@@ -61,5 +60,5 @@ def send_held(writer: SnapshotWriter, held: Held, path: str | os.PathLike[str],
 
 
 def release_held(writer: SnapshotWriter, held: Held) -> None:
-    """Give back the slot of a held copy that will not be written."""
+    """Give back the slot of a held copy that will not be written (a no-op once sent)."""
     writer._dispatch.release(held)
