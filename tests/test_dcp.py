@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -21,6 +22,7 @@ from snapsvc.dcp import SnapsvcStorageReader, SnapsvcStorageWriter
 from dist_world import run_world
 
 pytestmark = [pytest.mark.timeout(150)]
+pytest_plugins = ["remote_fixtures"]  # s3
 
 FULL_W = torch.arange(64, dtype=torch.float32).reshape(8, 8) / 7.0
 
@@ -218,3 +220,38 @@ def test_reads_only_the_pieces_asked_for_each_crc_checked(saved, tmp_path):
     assert isinstance(failure, snapsvc.FormatError) and "CRC-32" in str(failure), failure
     assert torch.equal(sd["w"], torch.full((8, 8), 7.0))
     assert torch.equal(sd["b"], torch.zeros(5, dtype=torch.bfloat16))
+
+
+@pytest.fixture
+def world1(tmp_path):
+    """torch.distributed in this process: one gloo rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_remote_tier_then_load_from_the_url_after_the_local_directory_is_gone(s3, world1,
+                                                                              tmp_path):
+    sd = {"w": torch.randn(6, 4), "opt": {"step": 3, "lr": [0.1, 0.01]}}
+    assert SnapsvcStorageWriter.validate_checkpoint_id(f"{s3.url}/step_2")
+    assert SnapsvcStorageReader.validate_checkpoint_id(f"{s3.url}/step_2")
+    w = SnapsvcStorageWriter(tmp_path / "ckpt" / "step_1", remote=s3.url, wait_upload=True,
+                             coord_timeout=60)
+    try:
+        dcp.save(sd, storage_writer=w)
+        # a step URL of the remote tier as checkpoint_id: saved locally, resolved once uploaded
+        dcp.async_save(sd, checkpoint_id=f"{s3.url}/step_2", storage_writer=w).result(timeout=90)
+    finally:
+        w.close()
+    keys = s3.keys()
+    assert {"step_1/manifest.msgpack", "step_2/manifest.msgpack", "step_2/rank0.fdl"} <= set(keys)
+    with pytest.raises(ValueError, match="remote tier"):
+        SnapsvcStorageWriter(tmp_path / "ckpt" / "step_1").reset("s3://elsewhere/run/step_3")
+    shutil.rmtree(tmp_path / "ckpt")
+    got = {"w": torch.zeros(6, 4), "opt": {"step": 0, "lr": []}}
+    dcp.load(got, storage_reader=SnapsvcStorageReader(f"{s3.url}/step_2"))
+    assert torch.equal(got["w"], sd["w"]) and got["opt"] == sd["opt"]

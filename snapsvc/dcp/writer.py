@@ -30,6 +30,7 @@ from torch.futures import Future
 from ..distributed.writer import DistributedSnapshotWriter
 from ..engine.held import Held, release_held
 from .layout import _Refusal, is_step_path, metadata_token, step_of
+from ..remote.url import is_url
 from .relay import Relay, call
 from .staged import placeholders, ticket_of
 
@@ -46,8 +47,11 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
     the same). The rank's :class:`DistributedSnapshotWriter` on ``<root>`` is
     made at the first :meth:`stage` or save (a collective: every rank saves)
     and kept, with its sidecar, across saves; ``slots``, ``remote``,
-    ``remote_keep_last`` and ``writer_options`` go to it. ``persist=False``
-    closes it after each ``dcp.save``. As the ``async_save`` stager it copies
+    ``remote_keep_last`` and ``writer_options`` go to it. With ``remote``, a
+    ``checkpoint_id`` may be a step URL on it (``s3://bucket/run/step_<N>``:
+    saved under ``<root>/step_<N>``, then uploaded), and ``wait_upload=True``
+    resolves each save only once the step is complete on the remote tier too.
+    ``persist=False`` closes it after each ``dcp.save``. As the ``async_save`` stager it copies
     at :meth:`stage` and returns once copied. Call :meth:`close` on every
     rank before ``dist.destroy_process_group()``.
     """
@@ -58,14 +62,20 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike[str], *, slots: int = 2,
                  remote: str | os.PathLike[str] | None = None,
                  remote_keep_last: int | None = None, persist: bool = True,
-                 **writer_options: Any) -> None:
+                 wait_upload: bool = False, **writer_options: Any) -> None:
         super().__init__()
         if writer_options.get("overlap") or writer_options.get("policy", "block") != "block":
             raise ValueError("SnapsvcStorageWriter copies before stage() returns and waits for "
                              "a slot: overlap and policy are not options here")
+        if is_url(path):
+            raise ValueError(f"{path}: the path is the local step directory; the remote tier "
+                             "is remote=<url> (and checkpoint_id may then be a step URL)")
         self.path = os.path.abspath(os.fspath(path))
         step_of(self.path)   # refuses a path that is no step directory, here
         self.persist = persist
+        self.wait_upload = wait_upload
+        if wait_upload and remote is None:
+            raise ValueError("wait_upload=True needs remote=<url or directory>")
         self._options = dict(writer_options, slots=slots, remote=remote,
                              remote_keep_last=remote_keep_last)
         self._writer: DistributedSnapshotWriter | None = None
@@ -97,8 +107,20 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a save, into ``checkpoint_id`` when given."""
         if checkpoint_id is not None:
-            step_of(checkpoint_id)
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = self._local(checkpoint_id)
+
+    def _local(self, checkpoint_id: str | os.PathLike[str]) -> str:
+        """The local step directory of ``checkpoint_id``: a path, or a step URL under
+        ``remote`` (saved locally under this writer's root first, then uploaded)."""
+        root, step = step_of(checkpoint_id)
+        if not is_url(checkpoint_id):
+            return os.path.abspath(os.fspath(checkpoint_id))
+        remote = self._options.get("remote")
+        if remote is None or os.fspath(remote).rstrip("/") != root:
+            raise ValueError(f"{checkpoint_id}: a URL checkpoint_id names a step of this "
+                             f"writer's remote tier (remote={remote!r}): pass "
+                             f"checkpoint_id=<remote>/step_<N>, or a local step directory")
+        return os.path.join(step_of(self.path)[0], f"step_{step}")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Make (once) this rank's DistributedSnapshotWriter on the checkpoint root."""
@@ -174,6 +196,9 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
         finally:
             release_held(writer.writer, held)   # a no-op once submit sent it
         handle.result(timeout=writer.write_timeout + 2 * writer.coord_timeout)
+        if self.wait_upload:   # every rank's upload, then rank 0's remote manifest
+            handle.uploaded(timeout=self._options.get("remote_timeout", 300.0)
+                            + 2 * writer.coord_timeout)
 
     # -- PROCESS mode: DCP pickles the writer into its checkpoint process -------------
     def __getstate__(self) -> dict[str, Any]:
@@ -184,12 +209,13 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
             if self._relay is None:
                 self._relay = Relay(lambda ticket, path: self._write(ticket, None, path))
         w = self._writer
-        return {"path": self.path, "persist": self.persist,
+        return {"path": self.path, "persist": self.persist, "remote": self._options["remote"],
                 "remote_call": (self._relay.address, self._relay.authkey,
                                 w.write_timeout + 2 * w.coord_timeout + 30.0)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], persist=state["persist"])  # type: ignore[misc]
+        self.__init__(state["path"], persist=state["persist"],  # type: ignore[misc]
+                      remote=state["remote"])
         self._remote_call = state["remote_call"]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -218,7 +244,7 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A local ``step_<N>`` directory path."""
+        """A local ``step_<N>`` directory path, or a step URL of the remote tier."""
         return is_step_path(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
