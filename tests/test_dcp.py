@@ -112,13 +112,17 @@ def scenario_killed(rank: int, world: int, tmp: str) -> dict:
 
     class Dying(SnapsvcStorageWriter):
         def write_data(self, plan, planner):
-            if rank == 1:
+            if rank == 1 and self.path.endswith("step_2"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return super().write_data(plan, planner)
 
     w = Dying(os.path.join(tmp, "snap", "step_1"), coord_timeout=20)
     try:
         dcp.save(sd, storage_writer=w)
+        with torch.no_grad():
+            local(sd["w"]).add_(1.0)
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=os.path.join(tmp, "snap", "step_2")
+                       ).result(timeout=60)
         return {"saved": True}
     except BaseException as e:
         return {"saved": False, "error": type(e).__name__}
@@ -190,13 +194,59 @@ def test_default_reader_names_snapsvc_reader(saved):
 
 
 @pytest.mark.timeout(150)
-def test_rank_killed_mid_save_writes_no_metadata(tmp_path):
+def test_rank_killed_mid_save_writes_no_metadata_and_the_previous_step_loads(tmp_path):
     codes, results = run_world(tmp_path, 2, scenario_killed, run_s=90)
     assert codes[1] == -signal.SIGKILL
     assert results[0]["saved"] is False, results[0]
+    snap = tmp_path / "snap"
+    assert not (snap / "step_2" / ".metadata").exists()
+    assert not (snap / "step_2" / "manifest.msgpack").exists()
+    assert snapsvc.latest_checkpoint(snap) == str(snap / "step_1")
+    sd = {"w": torch.zeros(8, 8)}
+    dcp.load(sd, storage_reader=SnapsvcStorageReader(snapsvc.latest_checkpoint(snap)),
+             no_dist=True)
+    assert torch.equal(sd["w"], FULL_W)
+
+
+def _truncate(step):
+    f = step / "rank1.fdl"
+    f.write_bytes(f.read_bytes()[:-9])
+
+
+def _flip_metadata(step):
+    f = step / "rank0.fdl.meta"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated rank file": _truncate,
+    "flipped rank metadata": _flip_metadata,
+    "missing rank file": lambda step: os.remove(step / "rank1.fdl"),
+    "missing rank metadata": lambda step: os.remove(step / "rank0.fdl.meta"),
+    "missing manifest": lambda step: os.remove(step / "manifest.msgpack"),
+    "another step's .metadata": lambda step: shutil.copy(step.parent.parent / "snap" / "step_2"
+                                                         / ".metadata", step / ".metadata"),
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_step_is_format_error_and_nothing_changes(saved, tmp_path, damage):
+    tmp, _, _ = saved
     step = tmp_path / "snap" / "step_1"
-    assert not (step / ".metadata").exists()
-    assert not (step / "manifest.msgpack").exists()
+    shutil.copytree(tmp / "snap", tmp_path / "snap")
+    DAMAGE[damage](step)
+    sd = {"w": torch.full((8, 8), 7.0), "b": torch.ones(5, dtype=torch.bfloat16),
+          "meta": {"epoch": 0, "name": ""}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(sd, storage_reader=SnapsvcStorageReader(step), no_dist=True)
+    failure = info.value.failures[0][0]
+    assert isinstance(failure, snapsvc.FormatError), repr(failure)
+    assert torch.equal(sd["w"], torch.full((8, 8), 7.0))
+    assert torch.equal(sd["b"], torch.ones(5, dtype=torch.bfloat16))
+    assert sd["meta"] == {"epoch": 0, "name": ""}
 
 
 @pytest.mark.timeout(150)

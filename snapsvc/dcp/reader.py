@@ -50,6 +50,7 @@ class SnapsvcStorageReader(StorageReader):
         self._step: LocalStep | None = None
         self._items: dict[str, Any] = {}
         self._saved: dict[str, _Global] = {}
+        self._failed: FormatError | None = None
 
     @staticmethod
     def _checked(path: str | os.PathLike[str]) -> str:
@@ -63,7 +64,21 @@ class SnapsvcStorageReader(StorageReader):
         self._step = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata, from the manifest and rank 0's state tree (msgpack, no pickle)."""
+        """DCP's metadata, from the manifest and rank 0's state tree (msgpack, no pickle).
+
+        A step that cannot be read gives metadata that raises its
+        :class:`~snapsvc.errors.FormatError` at first use, and
+        :meth:`set_up_storage_reader` raises it: ``dcp.load`` turns an error
+        raised here into an ``AssertionError`` holding only its text.
+        """
+        self._failed = None
+        try:
+            return self._read_metadata()
+        except FormatError as e:
+            self._failed = e
+            return _Unreadable(e)
+
+    def _read_metadata(self) -> Metadata:
         try:
             step = open_step(self.path, self.timeout)
             m = step.manifest
@@ -97,7 +112,9 @@ class SnapsvcStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
-        """Nothing to set up: the pieces came with the metadata."""
+        """Raise what made the step unreadable; else nothing to set up."""
+        if self._failed is not None:
+            raise self._failed
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """The rank's plan, unchanged."""
@@ -110,7 +127,7 @@ class SnapsvcStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read and check every piece the plan needs first, then fill the state."""
         if self._step is None:   # a reader used on a rank that did not read the metadata
-            self.read_metadata()
+            self._read_metadata()
         assert self._step is not None
         sources = self._read(self._step, plan)
         # every piece read and checked: only now is the caller's state written
@@ -161,3 +178,15 @@ class SnapsvcStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """A ``step_<N>`` directory path, or a step's URL on the remote tier."""
         return is_step_path(checkpoint_id)
+
+
+class _Unreadable(Metadata):
+    """The metadata of a step that cannot be read: any use of its items raises why."""
+
+    def __init__(self, error: FormatError) -> None:   # no fields: they raise below
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "state_dict_metadata":
+            raise self._error
+        raise AttributeError(name)
