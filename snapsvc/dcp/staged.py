@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from ..state.tree import is_dtensor
 
-__all__ = ["StagedTensor", "placeholders", "ticket_of"]
+__all__ = ["StagedTensor", "Placeholders", "ticket_of"]
 
 
 class StagedTensor:
@@ -50,24 +50,49 @@ class StagedTensor:
         return f"StagedTensor(ticket={self.ticket}, items={len(self.items)})"
 
 
-def placeholders(state_dict: Mapping[str, Any], ticket: int) -> dict[str, Any]:
-    """The staged state handed to DCP: ``state_dict`` with each tensor a :class:`StagedTensor`
-    of ``ticket`` (its write items computed from the live tensor now), the other values
-    deep-copied (DCP plans them as bytes items; snapsvc keeps them in its state tree)."""
-    flat, mappings = flatten_state_dict(dict(state_dict))
-    staged: dict[str, Any] = {}
-    for fqn, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            staged[fqn] = copy.deepcopy(value)
-            continue
-        if not is_dtensor(value) and type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"{fqn!r}: a {type(value).__name__}; SnapsvcStorageWriter stages "
-                            "tensors and DTensors (convert a ShardedTensor to a DTensor)")
-        if is_dtensor(value) and value.device_mesh.get_coordinate() is None:
-            staged[fqn] = StagedTensor(ticket, [])   # not on this rank's mesh: no write
-            continue
-        staged[fqn] = StagedTensor(ticket, _create_write_items(fqn, value))
-    return unflatten_state_dict(staged, mappings)
+_IMMUTABLE = (int, float, str, bytes, bool, type(None))
+
+
+class Placeholders:
+    """Makes the staged state handed to DCP: ``state_dict`` with each tensor a
+    :class:`StagedTensor`, the other values deep-copied (DCP plans them as bytes
+    items; snapsvc keeps them in its state tree).
+
+    Kept plan: a tensor's write items are DCP's for its key, class, shape,
+    dtype, ``requires_grad`` and (a DTensor) mesh and placements; they are kept
+    from the last call and made again when any of these changed.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[tuple, list[WriteItem]]] = {}
+
+    def __call__(self, state_dict: Mapping[str, Any], ticket: int) -> dict[str, Any]:
+        flat, mappings = flatten_state_dict(dict(state_dict))
+        staged: dict[str, Any] = {}
+        kept: dict[str, tuple[tuple, list[WriteItem]]] = {}
+        for fqn, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                staged[fqn] = value if type(value) in _IMMUTABLE else copy.deepcopy(value)
+                continue
+            dtensor = is_dtensor(value)
+            if not dtensor and type(value) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"{fqn!r}: a {type(value).__name__}; SnapsvcStorageWriter "
+                                "stages tensors and DTensors (convert a ShardedTensor to a "
+                                "DTensor)")
+            d: Any = value   # a DTensor when ``dtensor``
+            key = (type(value), value.shape, value.dtype, value.requires_grad,
+                   *((d.device_mesh, tuple(d.placements)) if dtensor else ()))
+            last = self._kept.get(fqn)
+            if last is not None and last[0] == key:
+                items = last[1]
+            elif dtensor and d.device_mesh.get_coordinate() is None:
+                items = []   # not on this rank's mesh: no write
+            else:
+                items = _create_write_items(fqn, value)
+            kept[fqn] = (key, items)
+            staged[fqn] = StagedTensor(ticket, items)
+        self._kept = kept
+        return unflatten_state_dict(staged, mappings)
 
 
 def ticket_of(state_dict: Any) -> int | None:

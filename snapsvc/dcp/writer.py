@@ -32,7 +32,7 @@ from ..engine.held import Held, release_held
 from .layout import _Refusal, is_step_path, metadata_token, step_of
 from ..remote.url import is_url
 from .relay import Relay, call
-from .staged import placeholders, ticket_of
+from .staged import Placeholders, ticket_of
 
 __all__ = ["SnapsvcStorageWriter"]
 
@@ -83,6 +83,7 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}   # staged copies by ticket, not yet written
         self._ticket = 0
+        self._placeholders = Placeholders()
         self._relay: Relay | None = None
         self._remote_call: tuple[str, bytes, float] | None = None   # in DCP's checkpoint process
 
@@ -94,7 +95,7 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
         with self._lock:
             self._ticket += 1
             ticket = self._ticket
-        staged = placeholders(state_dict, ticket)   # refuses what DCP cannot plan, first
+        staged = self._placeholders(state_dict, ticket)   # refuses what DCP cannot plan, first
         held = writer._hold(state_dict)
         with self._lock:
             self._held[ticket] = held
