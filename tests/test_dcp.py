@@ -370,3 +370,102 @@ def test_kept_write_items_follow_every_change_dcp_would_plan(change):
     staged = make({"m": {key: new}}, 3)["m"][key]
     assert staged.items is not first.items
     assert staged.__create_write_items__(f"m.{key}", None) == _create_write_items(f"m.{key}", new)
+
+
+def _fsdp_model():
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _train(model, opt, seed):
+    torch.manual_seed(seed)
+    model(torch.randn(4, 6)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _titan_states(model, opt, step):
+    """What torchtitan's checkpointer saves: the model's state flattened to the top level,
+    the optimizer's (flattened), and a train state."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    return {**get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(
+                model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)),
+            "train_state": {"step": step}}
+
+
+def _locals(sd):
+    return {k: (local(v).clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in _flat(sd).items()}
+
+
+def _flat(sd):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    return flatten_state_dict(sd)[0]
+
+
+def scenario_torchtitan(rank: int, world: int, tmp: str) -> dict:
+    """torchtitan's async_with_pinned_mem call sequence, through SnapsvcStorageWriter: a gloo
+    group for the saves, async_save in PROCESS mode with the writer as async_stager, training
+    resumes once staging is done, the next save first waits for the previous upload."""
+    model, opt = _fsdp_model()
+    pg = dist.new_group(backend="gloo")
+    writer = SnapsvcStorageWriter(os.path.join(tmp, "titan", "step_0"), coord_timeout=60)
+    saved, future = {}, None
+    try:
+        for step in (1, 2):
+            _train(model, opt, step)
+            if future is not None:
+                future.result(timeout=90)          # torchtitan's _async_wait
+            states = _titan_states(model, opt, step)
+            future = dcp.async_save(states, storage_writer=writer, async_stager=writer,
+                                    checkpoint_id=os.path.join(tmp, "titan", f"step_{step}"),
+                                    process_group=pg,
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            saved[step] = _locals(states)          # the values at stage()
+            if step == 2:   # the control: DCP's own writer, the same state
+                dcp.save(_titan_states(model, opt, step), process_group=pg,
+                         storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "fs")))
+            _train(model, opt, 10 + step)          # the next optimizer step, mid-upload
+        future.result(timeout=90)
+    finally:
+        writer.close()
+    # resume at world 2 from each step: bit-exact with the values staged
+    out = {}
+    for step in (1, 2):
+        fresh, fresh_opt = _fsdp_model()
+        _train(fresh, fresh_opt, 99)               # optimizer state exists, other values
+        states = _titan_states(fresh, fresh_opt, 0)
+        dcp.load(states, storage_reader=SnapsvcStorageReader(
+            os.path.join(tmp, "titan", f"step_{step}")))
+        got = _locals(states)
+        out[f"step{step}"] = got.keys() == saved[step].keys() and all(
+            torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+            for k, v in saved[step].items())
+    dist.destroy_process_group(pg)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_torchtitan_call_sequence_fsdp2_resumes_at_2_and_reshards_to_1(tmp_path):
+    codes, results = run_world(tmp_path, 2, scenario_torchtitan, run_s=170)
+    assert codes == [0, 0], results
+    assert results == [{"step1": True, "step2": True}] * 2, results
+    # resharded to 1 rank (full tensors): the same as DCP's own reader of the control
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = dcp.FileSystemReader(tmp_path / "fs").read_metadata()
+    keys = {k: v for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+    ours, theirs = ({k: torch.full(tuple(v.size), 7.0, dtype=v.properties.dtype)
+                     for k, v in keys.items()} for _ in range(2))
+    dcp.load(ours, storage_reader=SnapsvcStorageReader(tmp_path / "titan" / "step_2"),
+             no_dist=True)
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path / "fs"), no_dist=True)
+    assert "0.weight" in ours and any(k.startswith("optimizer.state.") for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in keys)
