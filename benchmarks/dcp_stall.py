@@ -1,14 +1,25 @@
-"""Stall of ``dcp.async_save`` (THREAD) per storage writer, each beside a raw copy (issue 33).
+"""Stall of ``dcp.async_save`` per storage writer and stager, each beside a raw copy (issue 33).
 
-    PYTHONPATH=. python benchmarks/dcp_stall.py [--reps 3]
+    PYTHONPATH=. python benchmarks/dcp_stall.py [--reps 3] [--shapes 4096x32KiB,64x4MiB]
 
-One process, a world of 1 on gloo, small plain state dicts (256 x 32 KiB and
-16 x 1 MiB float32). For each writer: ``stall`` = time until ``async_save``
-returns (the training thread's wait: staging), ``durable`` = until its future
-resolves; ``raw`` = ``RawCopy`` of the same tensors right before. Writers:
-DCP's ``FileSystemWriter`` with ``DefaultStager`` (shared memory, pinned off on
-CPU, reused), and ``SnapsvcStorageWriter`` (not yet an AsyncStager: DCP's
-default staging path stages for it). Medians over ``--reps`` after a warm-up.
+One process, a world of 1 on gloo, plain float32 state dicts (``4096x32KiB``:
+4096 tensors of 32 KiB; ``64x4MiB``; ``256x32KiB`` and ``16x1MiB`` for a quick
+run). Per method: ``stall`` = until ``async_save`` returns and staging is
+complete (the training thread's wait), ``durable`` = until the save's future
+resolves; ``stage()`` = the stager's own copy, without the work DCP's
+``async_save`` does around it on the training thread (per key, with a logger
+call each: it dominates at 4096 tensors); ``raw`` = ``RawCopy`` of the same
+tensors right before. Methods:
+
+- ``dcp best``: ``FileSystemWriter`` with ``DefaultStager`` (shared memory,
+  reused; pinned memory and CUDA streams off on CPU), THREAD;
+- ``dcp thread``: ``FileSystemWriter`` and DCP's default staging (a fresh CPU
+  copy per save), THREAD;
+- ``snapsvc``: ``SnapsvcStorageWriter`` as its own stager, THREAD.
+
+Then ``dcp.load`` of the last step: ``FileSystemReader`` vs ``SnapsvcStorageReader``.
+Medians over ``--reps`` after a warm-up. Not measured here: FSDP2 + AdamW at
+world size 2, and PROCESS mode.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,60 +39,114 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rawcopy import RawCopy  # noqa: E402
-from snapsvc.dcp import SnapsvcStorageWriter  # noqa: E402
+from snapsvc.dcp import SnapsvcStorageReader, SnapsvcStorageWriter  # noqa: E402
 
-SHAPES = {"256x32KiB": (256, 8192), "16x1MiB": (16, 262144)}
+SHAPES = {"4096x32KiB": (4096, 8192), "64x4MiB": (64, 1 << 20),
+          "256x32KiB": (256, 8192), "16x1MiB": (16, 262144)}
+
+
+def _wait(fut: Any, t0: float) -> tuple[float, float]:
+    """(stall, durable) seconds of one async_save started at ``t0``."""
+    stall = time.perf_counter() - t0
+    if hasattr(fut, "staging_completion"):   # a stager whose stage() returns a future
+        fut.staging_completion.result()
+        stall = time.perf_counter() - t0
+        fut = fut.upload_completion
+    fut.result()
+    return stall, time.perf_counter() - t0
+
+
+def _timed_stage(stager: Any, into: list[float]) -> None:
+    """Time each ``stager.stage()`` (the copy itself, without DCP's own work in async_save)."""
+    stage = stager.stage
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+    stager.stage = timed
 
 
 def run(name: str, n: int, numel: int, reps: int, tmp: str) -> list[str]:
     state = {f"t{i}": torch.randn(numel) for i in range(n)}
     raw = RawCopy()
-    rows = []
-    stager = DefaultStager(StagingOptions(False, True, True, False))
+    stager = DefaultStager(StagingOptions(False, True, False, False))
     snap = SnapsvcStorageWriter(os.path.join(tmp, name, "snap", "step_0"))
+    staged: dict[str, list[float]] = {"dcp best": [], "dcp thread": [], "snapsvc": []}
+    _timed_stage(stager, staged["dcp best"])
+    _timed_stage(snap, staged["snapsvc"])
+    saves: dict[str, Callable[[int], Any]] = {
+        "dcp best": lambda rep: dcp.async_save(
+            state, async_stager=stager,
+            storage_writer=dcp.FileSystemWriter(os.path.join(tmp, name, "best", str(rep)))),
+        "dcp thread": lambda rep: dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, name, "fs", str(rep)))),
+        "snapsvc": lambda rep: dcp.async_save(
+            state, storage_writer=snap,
+            checkpoint_id=os.path.join(tmp, name, "snap", f"step_{rep}")),
+    }
+    rows, best = [], {}
     try:
-        for method in ("dcp+DefaultStager", "snapsvc"):
+        for method, save in saves.items():
             stalls, durables, raws = [], [], []
             for rep in range(reps + 1):
                 r = raw.measure(state)
                 t0 = time.perf_counter()
-                if method == "snapsvc":
-                    fut = dcp.async_save(state, storage_writer=snap, checkpoint_id=os.path.join(
-                        tmp, name, "snap", f"step_{rep}"))
-                else:
-                    fut = dcp.async_save(state, async_stager=stager,
-                                         storage_writer=dcp.FileSystemWriter(
-                                             os.path.join(tmp, name, "fs", str(rep))))
-                stall = time.perf_counter() - t0
-                if hasattr(fut, "staging_completion"):
-                    fut.staging_completion.result()
-                    stall = time.perf_counter() - t0
-                    fut = fut.upload_completion
-                fut.result()
-                durable = time.perf_counter() - t0
+                stall, durable = _wait(save(rep), t0)
                 if rep:   # the first is the warm-up
                     stalls.append(stall)
                     durables.append(durable)
                     raws.append(r)
-            s, d, rc = (statistics.median(x) * 1e3 for x in (stalls, durables, raws))
-            rows.append(f"{name:10} {method:18} stall {s:8.2f} ms  raw {rc:7.2f} ms  "
-                        f"stall/raw {s / rc:6.1f}x  durable {d:8.1f} ms")
+            s, d, rc = (statistics.median(x) for x in (stalls, durables, raws))
+            best[method] = (s, d)
+            st = staged[method][1:]   # DCP's own stager of "dcp thread" is made per save
+            stage = f"stage() {statistics.median(st) * 1e3:8.2f} ms" if st else "stage()  (inside)"
+            rows.append(f"{name:10} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
+                        f"{rc * 1e3:7.2f} ms  stall/raw {s / rc:6.2f}x  durable {d * 1e3:8.1f} ms")
+        s, d = best["snapsvc"]
+        rows.append(f"{name:10} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
+                    f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
+                    f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
+        rows.append(load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
+                               os.path.join(tmp, name, "snap", f"step_{reps}")))
     finally:
         snap.close()
         stager.close()
     return rows
 
 
+def load_times(name: str, state: dict, reps: int, fs_dir: str, snap_dir: str) -> str:
+    """Median ``dcp.load`` time of the same state through each reader."""
+    out = {}
+    for label, reader in (("FileSystemReader", lambda: dcp.FileSystemReader(fs_dir)),
+                          ("SnapsvcStorageReader", lambda: SnapsvcStorageReader(snap_dir))):
+        times = []
+        for _ in range(reps):
+            target = {k: torch.empty_like(v) for k, v in state.items()}
+            t0 = time.perf_counter()
+            dcp.load(target, storage_reader=reader())
+            times.append(time.perf_counter() - t0)
+            assert all(torch.equal(target[k], state[k]) for k in state)
+        out[label] = statistics.median(times)
+    fs, sn = out["FileSystemReader"], out["SnapsvcStorageReader"]
+    return (f"{name:10} load: FileSystemReader {fs * 1e3:8.1f} ms  SnapsvcStorageReader "
+            f"{sn * 1e3:8.1f} ms  ({sn / fs:.2f}x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shapes", default="4096x32KiB,64x4MiB")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for name, (n, numel) in SHAPES.items():
+            for name in args.shapes.split(","):
+                n, numel = SHAPES[name]
                 for row in run(name, n, numel, args.reps, tmp):
                     print(row, flush=True)
     finally:

@@ -29,7 +29,9 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
     ``step`` is a complete ``step_<N>`` directory saved from a sharded model
     (FSDP2, DTensor), or from a state mapping (then its model: the module
-    under ``"model"``, or the only top-level module). ``dst`` gets the global
+    under ``"model"``, or the only top-level module; a state without one, as
+    ``SnapsvcStorageWriter`` saves it, gives every tensor of the state under
+    its entry name, the key path joined with ``/``). ``dst`` gets the global
     tensors under the model's own parameter and buffer names (gzip on
     ``.gz``), its ``.meta`` (rank 0's epoch, metrics and extra), and, when the
     optimizer was saved with ``submit(model, step, optimizer=)``, the
@@ -51,13 +53,14 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     if m.sharded is None:
         raise ValueError(f"{m.path} was not saved from a sharded model: each rank<r> file "
                          "already holds that rank's whole model (snapsvc.restore reads it)")
-    if not m.sharded["params"] and not m.sharded["buffers"]:
-        raise ValueError(f"{m.path}: the saved state holds no model (a module under the key "
-                         "'model', or the only module among the top-level values), so there "
-                         "is nothing for one model file")
     saved = _globals(m)
+    model = m.sharded["params"] or m.sharded["buffers"]
+    if not model and "state" not in m.sharded:
+        raise ValueError(f"{m.path}: the saved model has no parameters or buffers")
+    # a state without a model (a DCP save): every tensor of it, under its entry name
+    names = m.sharded["params"] if model else list(saved)
     info = m.sharded.get("optimizer")
-    wanted = m.sharded["params"] + m.sharded["buffers"] + (
+    wanted = names + m.sharded["buffers"] + (
         [n for n, g in saved.items() if g.kind == "optim"] if info else [])
     total = sum(math.prod(g.shape) * g.dtype.itemsize for n, g in saved.items() if n in wanted)
     done = 0
@@ -77,7 +80,7 @@ def consolidate(step: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
     dst = os.path.abspath(os.fspath(dst))
     with _PieceReader(_sizes(m), True) as reader:
-        params, buffers = whole(m.sharded["params"]), whole(m.sharded["buffers"])
+        params, buffers = whole(names), whole(m.sharded["buffers"])
         optim = whole([n for n, g in saved.items() if g.kind == "optim"]) if info else None
     meta0 = read_meta(os.path.join(m.path, m.ranks[0].file))
     if kind != "fdl":

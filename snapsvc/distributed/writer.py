@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.held import Held, hold, send_held
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..state.tree import check_plain
@@ -293,7 +294,12 @@ class DistributedSnapshotWriter:
                 raise ValueError(f"{d} already holds a complete checkpoint; refusing to "
                                  "overwrite its files")
             os.makedirs(d, exist_ok=True)   # every rank: shared filesystem, any may be first
-            if isinstance(model, Mapping) and _holds_dtensor(model):
+            if isinstance(model, Held):   # a state mapping staged by _hold (snapsvc.dcp)
+                self._ranged(item, "a state mapping")
+                item.records, item.sharded = model.info
+                item.tree = model.tree
+                handle.local = send_held(self._writer, model, handle.file, extra)
+            elif isinstance(model, Mapping) and _holds_dtensor(model):
                 if optimizer is not None or extra is not None:
                     raise TypeError("with a state mapping, put optimizers and extra values "
                                     "inside the mapping")
@@ -322,6 +328,17 @@ class DistributedSnapshotWriter:
         item.stage_s = time.monotonic() - started
         self._coord.queue.put(item)
         return handle
+
+    def _hold(self, state: Mapping[Any, Any]) -> Held:
+        """Copy this rank's pieces of a state mapping into a slot now, as :meth:`submit`
+        would, and keep it for a later ``submit(held, step)`` (snapsvc.dcp's stager)."""
+        if self._closed:
+            raise RuntimeError("this DistributedSnapshotWriter is closed; make a new one")
+        self.start()
+        flat, records, sharded = _state_plan(state, self.rank, self._shard_memo)
+        held = hold(self._writer, cast(Any, flat))
+        held.info = (records, sharded)
+        return held
 
     def _ranged(self, item: _Item, what: str) -> None:
         """``item`` is saved as pieces, read back by byte range."""

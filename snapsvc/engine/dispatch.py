@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,7 +31,24 @@ from .pools import ROOM, Plan, Pool, Slot, SlotPools
 from .link import Sidecar
 from .slots import SlotBroker
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "Held"]
+
+
+@dataclass
+class Held:
+    """A slot :meth:`Dispatcher.take` reserved and filled, not yet sent (``rest``:
+    the copy's remainder in overlap mode)."""
+
+    pool: Pool
+    slot: Slot
+    gen: int
+    rest: Callable[[], None] | None
+    started: float
+    stage_s: float
+    slot_wait_s: float
+    tree: Any = None     # the state tree of its metadata
+    info: Any = None     # what the caller keeps with it (the distributed writer: its records)
+    done: bool = False   # booked or given back: the slot is no longer this copy's
 
 
 class Dispatcher:
@@ -50,15 +68,24 @@ class Dispatcher:
               body: bytes, started: float, timeout: float | None,
               persist: bool = True) -> WriteHandle:
         """Take a slot, copy into it, book the write and send it (or have the copier send it)."""
-        book = self.book
-        gen = self.broker.register(pool, timeout)
-        asked = time.monotonic()
         # a memory-only snapshot's RAM copy: its tensors, metadata and headers (ROOM)
         ram = 0 if persist else pool.layout.nbytes + len(body) + ROOM
+        held = self.take(pool, sources, plan, started, timeout, ram)
+        if held is None:
+            return self.book.skipped(path, started)
+        return self.queue(held, path, body, persist)
+
+    def take(self, pool: Pool, sources: list[torch.Tensor], plan: Plan | None, started: float,
+             timeout: float | None, ram: int = 0) -> Held | None:
+        """Reserve a slot of ``pool`` and copy ``sources`` into it (None: policy "skip"
+        found none). The slot stays reserved until :meth:`queue` or :meth:`release`.
+        ``ram``: the bytes a memory-only copy will hold, counted against memory_limit."""
+        gen = self.broker.register(pool, timeout)
+        asked = time.monotonic()
         slot = self.broker.acquire(pool, timeout, ram, self.pools)
         slot_wait_s = time.monotonic() - asked
         if slot is None:
-            return book.skipped(path, started)
+            return None
         try:
             slot.copying = self.overlap
             rest, copied = self.copier.stage(slot, sources, plan)
@@ -66,9 +93,17 @@ class Dispatcher:
             self.broker.free(slot)
             raise
         stage_s = time.monotonic() - started
+        with self.book.cond:
+            self.book.counts["staged_bytes"] += copied
+            self.book.stalls.append(stage_s)
+        return Held(pool, slot, gen, rest, started, stage_s, slot_wait_s)
+
+    def queue(self, held: Held, path: str, body: bytes, persist: bool = True) -> WriteHandle:
+        """Book the write of a slot :meth:`take` filled and send it to the sidecar."""
+        book, slot, gen = self.book, held.slot, held.gen
         with book.cond:
-            book.counts["staged_bytes"] += copied
-            book.stalls.append(stage_s)
+            assert not held.done, "a held copy is sent once"
+            held.done = True
             if book.broken is not None or self.sidecar.gen != gen or book.closed:
                 # died (or was restarted, or closed at its timeout) while we copied:
                 # nobody would resolve it, and the slot may hold half a copy
@@ -78,16 +113,25 @@ class Dispatcher:
                 book.cond.notify_all()
                 raise book.broken or BrokenWriterError(
                     "the writer sidecar stopped while this snapshot was copied; submit again")
-            seq = book.add(slot, path, started, stage_s, gen, slot_wait_s, not persist)
+            seq = book.add(slot, path, held.started, held.stage_s, gen, held.slot_wait_s,
+                           not persist)
             handle = book.pending[seq].handle
         msg = {"path": path, "body": body, "umask": current_umask()}  # the files' mode of now
         if not persist:  # the sidecar holds it in the RAM tier (snapsvc.files.ramtier)
             msg["ram"] = True
-        if rest is None:
+        if held.rest is None:
             self.send(slot, seq, msg)
         else:
-            self.copier.later(self._finish_copy, rest, slot, seq, msg)
+            self.copier.later(self._finish_copy, held.rest, slot, seq, msg)
         return handle
+
+    def release(self, held: Held) -> None:
+        """Give back the slot of a copy that will not be written (once; no-op after queue)."""
+        with self.book.cond:
+            if held.done:
+                return
+            held.done = True
+        self.broker.free(held.slot)
 
     def send(self, slot: Slot, seq: int, msg: dict[str, Any]) -> None:
         """The slot holds the snapshot: let the writer claim it, then tell it.

@@ -10,7 +10,8 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -24,8 +25,8 @@ from .copier import Copier
 from .dispatch import Dispatcher
 from .handles import WriteHandle, WriteReport
 from .life import AttachReport, Cadence, Life
-from .plan import check_epoch, check_path, find_pool, pack_body, request
-from .pools import Slot, SlotPools
+from .plan import Request, check_epoch, check_path, find_pool, pack_body, request
+from .pools import Plan, Pool, Slot, SlotPools
 from .link import Sidecar
 from .slots import SlotBroker
 from .snapshot import ModelSnapshot, as_metrics
@@ -233,11 +234,21 @@ class SnapshotWriter:
             metrics = model_or_state.metrics if metrics is None else metrics
             epoch = model_or_state.epoch if epoch is None else epoch
         metrics, epoch = as_metrics(metrics), check_epoch(epoch)
-        book = self._book
-        with book.cond:
-            book.check_open()   # refused before its walk: a closed writer keeps nothing
+        with self._book.cond:
+            self._book.check_open()   # refused before its walk: a closed writer keeps nothing
         req = request(model_or_state, optimizer, extra, self._pools.memo)
+        with self._using(req) as (pool, sources, plan):
+            body = pack_body(path, pool.buffer_bytes, req.plain, epoch=epoch,
+                             metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
+                             extra_state=req.extra_state)
+            return self._dispatch.stage(pool, sources, plan, path, body, started, timeout,
+                                        persist)
+
+    @contextmanager
+    def _using(self, req: Request) -> Iterator[tuple[Pool, list[torch.Tensor], Plan | None]]:
+        """The pool, copy sources and plan of ``req``, the pool kept while the caller copies."""
         self._life.ensure_running()
+        book = self._book
         gone: list[Slot] = []
         try:
             with book.cond:
@@ -252,11 +263,7 @@ class SnapshotWriter:
             if gone:  # the sidecar unmaps them; their memory is freed on both sides
                 self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
         try:
-            body = pack_body(path, pool.buffer_bytes, req.plain, epoch=epoch,
-                             metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
-                             extra_state=req.extra_state)
-            return self._dispatch.stage(pool, sources, plan, path, body, started, timeout,
-                                        persist)
+            yield pool, sources, plan
         finally:
             with book.cond:
                 book.active -= 1
