@@ -85,9 +85,10 @@ def apply(plan: Plan) -> None:
         raise
 
 
-def _split_copies(copies: list[tuple[str, torch.Tensor, torch.Tensor]]
-                  ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]],
-                             list[tuple[str, torch.Tensor, torch.Tensor]]]:
+_Copy = tuple[str, torch.Tensor, torch.Tensor]  # (name, live tensor, saved tensor)
+
+
+def _split_copies(copies: list[_Copy]) -> tuple[list[_Copy], list[_Copy]]:
     """The copies that need an undo copy of the live tensor, and those that cannot fail.
 
     A copy between dense CPU tensors of plain types, of one shape, into a
@@ -99,7 +100,8 @@ def _split_copies(copies: list[tuple[str, torch.Tensor, torch.Tensor]]
     256 MiB model (issue 34). Subclasses (their ``__torch_function__`` can
     raise), CUDA, sparse, nested and quantized tensors keep theirs.
     """
-    guarded, plain = [], []
+    guarded: list[_Copy] = []
+    plain: list[_Copy] = []
     for c in copies:
         _, live, saved = c
         (plain if _cannot_fail(live) and _cannot_fail(saved) and live.shape == saved.shape
