@@ -98,6 +98,20 @@ def test_a_changed_tensor_fails_the_plan(guard, mutate, monkeypatch):
 
 
 @pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("mutate", [_new_shape, _cast, _strided, _swap], ids=lambda f: f.__name__)
+def test_a_1d_tensor_changed_in_layout_fails_the_plan(guard, mutate, monkeypatch):
+    """A small 1-D source has no alias to check (issue 34); its shape, dtype,
+    strides and identity are still checked: what would change the slot's layout."""
+    monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
+    model = nn.Linear(3, 4)
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
+    plan = pools.Plan.make(pools.walk(model), [model.weight, model.bias],
+                           pools.Pool([pools.Slot(1, layout, False)]))
+    mutate(model.bias)
+    assert not plan.matches(pools.walk(model))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
 def test_values_changed_in_place_keep_the_plan(guard, monkeypatch):
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model = nn.Linear(3, 4)
@@ -109,14 +123,17 @@ def test_values_changed_in_place_keep_the_plan(guard, monkeypatch):
 
 
 @pytest.mark.parametrize("guard", GUARDS)
-def test_every_change_reaches_the_file(tmp_path, guard, monkeypatch):
-    """Through the sidecar: after each change the file equals the model at its submit."""
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_every_change_reaches_the_file(tmp_path, guard, which, monkeypatch):
+    """Through the sidecar: after each change the file equals the model at its
+    submit, for a 2-D tensor (copied through an alias the plan checks) and a
+    1-D one (copied as itself, wherever its memory is now: issue 34)."""
     monkeypatch.setattr(pools, "tensor_guard", GUARDS[guard])
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
         w.submit(model, "p0.fdl").result(timeout=60)
         for i, mutate in enumerate(MUTATIONS, 1):
-            mutate(model[0].weight)
+            mutate(getattr(model[0], which))
             want = {k: v.clone() for k, v in model.state_dict().items()}
             w.submit(model, f"p{i}.fdl").result(timeout=60)
             got = snapsvc.read_checkpoint(tmp_path / f"p{i}.fdl").entries
@@ -141,7 +158,8 @@ def test_guard_made_outside_a_mode_still_holds_inside_it(guard, monkeypatch):
 
 def test_large_tensors_are_copied_live_not_kept_by_the_plan():
     """A plan keeps aliases of small tensors only: after model.half() the old
-    float32 storage of a large weight is not held by it."""
+    float32 storage of a large weight is not held by it. (Small 1-D tensors
+    need no alias: they go into the cat as themselves.)"""
     model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(4, 2))  # 2 MiB weight, small rest
     layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
     sources = [p for _, p in model.named_parameters()]
@@ -149,7 +167,10 @@ def test_large_tensors_are_copied_live_not_kept_by_the_plan():
                            pools.Pool([pools.Slot(1, layout, False)]))
     assert all(a.numel() * a.element_size() < pools.SMALL for a in plan.aliases)
     assert not any(a.data_ptr() == model[0].weight.data_ptr() for a in plan.aliases)
-    assert len(plan.aliases) == 3
+    assert len(plan.aliases) == 1  # the small weight; the biases are 1-D
+    runs = [step[0] for step in plan.steps[0] if not isinstance(step, int)]
+    items = [t for run in runs for t in run]  # bias 0, then layer 1's weight and bias
+    assert items[0] is model[0].bias and items[1] is plan.aliases[0] and items[2] is model[1].bias
 
 
 def test_a_duplicate_name_is_refused_at_submit_and_the_sidecar_lives(tmp_path):

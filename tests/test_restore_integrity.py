@@ -277,26 +277,74 @@ def test_restore_to_cuda_through_pinned_memory(saved, tmp_path, monkeypatch):
     restore_fails(path, path, "CRC-32", device="cuda")
 
 
-def test_only_a_file_in_the_page_cache_is_mapped(tmp_path):
-    """A page that must come from the disk would report a read error as SIGBUS:
-    a file not wholly in the page cache is read, not mapped."""
-    from snapsvc.files import checkpoint
-    from snapsvc.format import fdl
+def _cold_file(tmp_path):
+    """A saved file whose pages are no longer in the page cache, its size and CRC-32."""
     path = tmp_path / "m.fdl"
     snapsvc.save_checkpoint(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})
     data = path.read_bytes()
-    size, crc = len(data), zlib.crc32(data)
-    got = checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL)
-    assert got is not None and torch.equal(got.entries["w"], torch.arange(1 << 20, dtype=torch.float32))
-    del got  # its tensors map the pages: mapped pages cannot be dropped
-    gc.collect()
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the cache
     finally:
         os.close(fd)
+    return path, len(data), zlib.crc32(data)
+
+
+def test_only_a_file_in_the_page_cache_is_mapped(tmp_path, monkeypatch):
+    """A page that must come from the disk would report a read error as SIGBUS:
+    where the kernel cannot populate a mapping (before Linux 5.14), a file
+    not wholly in the page cache is read, not mapped."""
+    from snapsvc.files import checkpoint
+    from snapsvc.format import fdl
+    monkeypatch.setattr(checkpoint, "_populates", False)
+    path, size, crc = _cold_file(tmp_path)
     if checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL) is not None:
         pytest.skip("this file system keeps the pages cached despite DONTNEED")
     read = checkpoint.read_verified(path, size, crc, shared_buffer=True)
     assert torch.equal(read.entries["w"], torch.arange(1 << 20, dtype=torch.float32))
+    got = checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL)  # now it is cached
+    assert got is not None and torch.equal(got.entries["w"],
+                                           torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_cold_file_is_mapped_through_populate_and_still_checked(tmp_path):
+    """Where the kernel populates a mapping in one call (which reports a read
+    error as an error, not a SIGBUS), a cold file is mapped too (issue 34):
+    its pages come from the disk in that call, and the CRC-32 still refuses
+    a damaged one."""
+    from snapsvc.files import checkpoint
+    from snapsvc.format import fdl
+    if not checkpoint._can_populate():
+        pytest.skip("not Linux 5.14+: no MADV_POPULATE_READ")
+    path, size, crc = _cold_file(tmp_path)
+    got = checkpoint._read_mapped(str(path), size, crc, "metadata", fdl.FDL)
+    assert got is not None and torch.equal(got.entries["w"],
+                                           torch.arange(1 << 20, dtype=torch.float32))
+    del got
+    gc.collect()
+    with pytest.raises(snapsvc.FormatError, match="CRC-32"):
+        checkpoint._read_mapped(str(path), size, crc ^ 1, "metadata", fdl.FDL)
+
+
+@pytest.mark.parametrize("extra", [0, 3, 4097])
+def test_crc32_of_a_buffer_in_parallel_parts_is_its_crc32(monkeypatch, extra):
+    """crc32_of checksums a large buffer in parts on several threads and
+    combines them: the same CRC-32 as one pass, whatever the split."""
+    from snapsvc.format import streams
+    monkeypatch.setattr(streams, "_CRC_PART", 1 << 16)
+    monkeypatch.setattr(streams, "_ALIGN", 4096)
+    monkeypatch.setattr(streams, "_cores", lambda: 3)
+    data = os.urandom((3 << 16) + extra)
+    seen: list[tuple[int, int]] = []
+    assert streams.crc32_of(memoryview(data), lambda at, n: seen.append((at, n))) \
+        == zlib.crc32(data)
+    assert len(seen) == 3 and sum(n for _, n in seen) == len(data)  # every byte, in 3 parts
+    assert streams.crc32_of(memoryview(data[:100])) == zlib.crc32(data[:100])
+
+    def unreadable(at: int, n: int) -> None:
+        if at:
+            raise OSError("a page past the first part")
+
+    with pytest.raises(OSError, match="past the first"):  # raised on the caller's thread
+        streams.crc32_of(memoryview(data), unreadable)

@@ -172,3 +172,21 @@ def test_an_undo_that_raises_does_not_stop_the_rollback(tmp_path):
     for k, sd in before.items():  # restored before "custom" in order, undone after it
         assert_bit_identical(sd, live[k].state_dict(), k)
     assert live["custom"].n == 1  # the one not put back holds the checkpoint's state, as named
+
+
+def test_a_failing_copy_into_a_model_leaves_its_plain_tensors_untouched(saved):
+    """Plain CPU tensors are copied last without an undo copy (issue 34): a
+    target whose copy can fail (a subclass) goes first, so when it fails
+    no plain tensor has changed yet, whatever its place in the model."""
+    model, opt = fresh()
+    with torch.no_grad():
+        model.fc.bias = nn.Parameter(model.fc.bias.detach().clone().as_subclass(Boom))
+
+    def plain() -> dict:  # Boom's deepcopy fails: its bytes as a plain tensor
+        return {k: v.as_subclass(torch.Tensor).clone() if torch.is_tensor(v) else v
+                for k, v in model.state_dict().items()}
+
+    before = plain()
+    with pytest.raises(RuntimeError, match="boom"):
+        snapsvc.restore(saved, model)
+    assert_bit_identical(before, plain())  # fc.weight comes before fc.bias, buf after it

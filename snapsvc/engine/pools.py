@@ -198,11 +198,16 @@ class Plan:
     """What submit() needs of a model, valid while its tensors stay the same.
 
     ``steps`` holds, per slot group, how to fill it: runs of small
-    contiguous sources as (flat aliases ``t.detach().view(-1)``, first and
-    last element of the group's memory), each one ``torch.cat``, and other
-    sources as their index, each one ``copy_`` from the live tensor. An
-    alias is right as long as it still reads its source's memory, with the
-    source's shape, strides and dtype: exactly what :meth:`matches` checks.
+    contiguous sources as (1-D tensors, first and last element of the
+    group's memory), each one ``torch.cat``, and other sources as their
+    index, each one ``copy_`` from the live tensor. A 1-D source goes into
+    its run as itself, so the cat reads its memory now, wherever that is;
+    any other is there as a flat alias ``t.detach().view(-1)``, right as
+    long as it still reads its source's memory, with the source's shape,
+    strides and dtype: exactly what :meth:`matches` checks. Most small
+    tensors (biases, norms) are 1-D: their addresses are not compared at
+    every submit (issue 34: that comparison was a third of a 20,000-tensor
+    model's stall).
     """
 
     walked: Walked                     # walk(model) when planned
@@ -212,6 +217,7 @@ class Plan:
     aliased: list[torch.Tensor]        # the sources that have an alias, and
     aliases: list[torch.Tensor]        # their aliases, in the same order
     steps: list[list[staging.Step]]
+    addresses: list[int]               # the aliases' data_ptr(): theirs never change
 
     @classmethod
     def make(cls, walked: Walked, sources: list[torch.Tensor],
@@ -227,10 +233,10 @@ class Plan:
                 t = sources[i]
                 n = t.numel()
                 if t.is_cpu and t.is_contiguous() and n * t.element_size() < SMALL:
-                    alias = t.detach().view(-1)
-                    aliased.append(t)
-                    aliases.append(alias)
-                    run.append(alias)
+                    if t.dim() != 1:
+                        aliased.append(t)
+                        aliases.append(t.detach().view(-1))
+                    run.append(t if t.dim() == 1 else aliases[-1])
                 else:
                     if run:
                         group_steps.append((run, start, end))
@@ -240,22 +246,22 @@ class Plan:
             if run:
                 group_steps.append((run, start, end))
             steps.append(group_steps)
-        return cls(walked, sources, pool, tensor_guard(sources), aliased, aliases, steps)
+        return cls(walked, sources, pool, tensor_guard(sources), aliased, aliases, steps,
+                   list(map(torch.Tensor.data_ptr, aliases)))
 
     def matches(self, walked: Walked) -> bool:
         """Same outline (names, persistence), the same tensor objects with the
         same shapes, strides, dtypes and devices, and each alias still at its
         source's address: a renamed, deleted or inserted submodule, a buffer
         made (non-)persistent, a replaced, added, resized, cast or moved
-        parameter or buffer, or one given other memory (``p.data = ...``, a
-        storage freed and reallocated), fails it. Each comparison is one
-        C-level pass, not a Python loop."""
-        ptr = torch.Tensor.data_ptr
+        parameter or buffer, or one with an alias given other memory
+        (``p.data = ...``, a storage freed and reallocated), fails it. Each
+        comparison is one C-level pass, not a Python loop."""
         then, now = self.walked.tensors, walked.tensors
         return (len(now) == len(then) and all(map(operator.is_, now, then))
                 and walked.outline == self.walked.outline
                 and self.guard(self.sources)
-                and list(map(ptr, self.aliased)) == list(map(ptr, self.aliases)))
+                and list(map(torch.Tensor.data_ptr, self.aliased)) == self.addresses)
 
 
 class SlotPools:

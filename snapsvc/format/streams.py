@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator, Protocol, Union, cast
+from typing import Any, BinaryIO, Callable, Iterator, Protocol, Union, cast
 
 from isal import igzip, isal_zlib
 
@@ -28,6 +29,7 @@ from ..errors import FormatError
 __all__ = [
     "GZIP_MAGIC",
     "CRC_PIECE",
+    "crc32_of",
     "DEFAULT_GZIP_LEVEL",
     "Source",
     "CrcReader",
@@ -88,6 +90,58 @@ def gzip_writer(raw: WriteStream, level: int | None = None) -> Iterator[WriteStr
 
 
 CRC_PIECE = 4 << 20  # checksum each read while it is still in cache
+# Below this a buffer is checksummed on the calling thread alone; above it in
+# parts of at least this size, one per core (up to _CRC_THREADS).
+_CRC_PART = 16 << 20
+_CRC_THREADS = 4
+_ALIGN = 1 << 20  # where parts start: a multiple of any page size
+
+
+def crc32_of(view: memoryview, before: Callable[[int, int], object] | None = None) -> int:
+    """CRC-32 of a whole buffer already in memory (a mapped file), in
+    parallel parts on up to four cores: isal releases the GIL while it
+    checksums, so on two cores a 256 MiB buffer takes about 0.65x the time
+    of one pass (measured here, issue 34). ``before(offset, length)`` runs
+    on each part's thread just before it is checksummed (parts start at
+    multiples of 1 MiB); what it or the checksum raises is raised here.
+    Fresh threads each call, not a pool, so a forked child has nothing
+    stale to wait on."""
+    n = len(view)
+    parts = max(1, min(_CRC_THREADS, _cores(), n // _CRC_PART))
+    step = -(-n // parts // _ALIGN) * _ALIGN if parts > 1 else max(n, 1)
+    bounds = [(at, min(at + step, n)) for at in range(0, n, step)] or [(0, 0)]
+    crcs = [0] * len(bounds)
+    errors: list[BaseException] = []
+
+    def part(i: int) -> None:
+        at, end = bounds[i]
+        try:
+            if before is not None:
+                before(at, end - at)
+            crcs[i] = isal_zlib.crc32(view[at:end])
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=part, args=(i,), daemon=True)
+               for i in range(1, len(bounds))]
+    for t in threads:
+        t.start()
+    part(0)  # meanwhile, on this thread
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    crc = crcs[0]
+    for (at, end), c in zip(bounds[1:], crcs[1:]):
+        crc = isal_zlib.crc32_combine(crc, c, end - at)
+    return crc
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 # For headers and small tensors: a read of more goes straight to the file. Also
 # small enough to come from the heap, not a fresh mmap that faults on first touch.
 _SMALL_BUFFER = 64 << 10
