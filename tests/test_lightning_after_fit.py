@@ -15,6 +15,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from snapsvc.errors import UnsupportedStateError  # noqa: E402
 from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402
 from test_lightning_overlap import slow_copy  # noqa: E402,F401  (a fixture)
 from test_lightning_stock import Lit, data, read, trainer  # noqa: E402
@@ -128,3 +129,52 @@ def test_values_added_in_on_save_checkpoint_round_trip_as_with_stock(tmp_path, n
     want, ours = got["default"]["np_rng"], got["snapsvc"]["np_rng"]
     assert type(ours) is tuple and ours[0] == want[0] and np.array_equal(ours[1], want[1])
     assert tuple(ours[2:]) == tuple(want[2:])
+
+
+class Tracker:
+    """A plain object: stock's pickle stores it, snapsvc (which never pickles) cannot."""
+
+    def __init__(self) -> None:
+        self.seen = 3
+
+
+class Steps(Lit):
+    steps = 0
+
+    def training_step(self, batch, idx):
+        type(self).steps += 1
+        return super().training_step(batch, idx)
+
+
+class TrackedByModel(Steps):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["tracker"] = Tracker()
+
+
+class TrackerState(pl.Callback):
+    def state_dict(self):
+        return {"tracker": Tracker()}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["on_save_checkpoint", "callback state_dict"])
+def test_what_cannot_come_back_is_refused_at_fit_start(tmp_path, where, no_leaks):
+    """Item 13: stock pickles the object at each save; the plugin cannot store it and says so
+    when fit starts, before a training step, not at the first save an epoch in."""
+    for io in ("default", "snapsvc"):
+        model_cls = TrackedByModel if where == "on_save_checkpoint" else Steps
+        model_cls.steps = 0
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / io, filename="c")
+        callbacks = [ckpt] + ([TrackerState()] if where == "callback state_dict" else [])
+        t = trainer(io, callbacks, max_steps=2, limit_val_batches=0)
+        if io == "default":   # the control: trained, and the object is in its file
+            t.fit(model_cls(), data(2))
+            got = torch.load(ckpt.best_model_path, weights_only=False)
+            assert isinstance(got["tracker"] if where == "on_save_checkpoint" else
+                              got["callbacks"]["TrackerState"]["tracker"], Tracker)
+            assert model_cls.steps == 2
+            continue
+        with pytest.raises(UnsupportedStateError, match=r"(?s)fit start.*tracker.*Tracker"):
+            t.fit(model_cls(), data(2))
+        assert model_cls.steps == 0, "refused only after training started"
+        assert not os.path.exists(tmp_path / io) or os.listdir(tmp_path / io) == []

@@ -183,7 +183,13 @@ def tensor_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], 
 def python_guard(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
     """:func:`tensor_guard` without torch's C++ check."""
     then = _meta(tensors)
-    return lambda now: _meta(now) == then
+
+    def check(now: list[torch.Tensor]) -> bool:
+        try:
+            return _meta(now) == then
+        except RuntimeError:   # a sparse or nested tensor has no strides: not as then
+            return False
+    return check
 
 
 # Below this, a tensor's copy is mostly call overhead: such tensors are

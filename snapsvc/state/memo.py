@@ -16,7 +16,6 @@ No torch work beyond the guard: a part's check is one C-level pass per list.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ import torch
 from torch import nn
 
 
-__all__ = ["Guard", "Part", "WalkMemo", "Walked", "walk", "is_leaf", "leaves", "same"]
+__all__ = ["Guard", "Part", "WalkMemo", "Walked", "walk", "is_leaf", "leaves", "Held", "hold",
+           "same"]
 
 _PLAIN = (str, bytes, bool, float, type(None))
 
@@ -35,8 +35,9 @@ class Walked(NamedTuple):
     """What :func:`walk` finds: every tensor slot, and the outline that names them."""
 
     tensors: list[torch.Tensor | None]
-    # per submodule: (name, id, parameter keys, buffer keys, non-persistent
-    # buffer names): with the tensors' identities, what state_dict() names
+    # per submodule: (name, id, type, parameter keys, buffer keys, non-persistent
+    # buffer names): with the tensors, what state_dict() names (the type: whether
+    # it has an extra state)
     outline: list[tuple]
 
 
@@ -58,7 +59,7 @@ def walk(model: nn.Module) -> Walked:
         tensors.extend(params.values())
         tensors.extend(buffers.values())
         # a copy of the set: the live one would compare equal to itself later
-        outline.append((name, id(mod), tuple(params), tuple(buffers),
+        outline.append((name, id(mod), type(mod), tuple(params), tuple(buffers),
                         frozenset(transient) if transient else None))
     return Walked(tensors, outline)
 
@@ -71,13 +72,14 @@ class Part:
     """A walked module or leaf mapping, as the next walk may reuse it."""
 
     what: Any                                   # (the module, its outline), or the mapping's keys
-    held: list                                  # walk(module)'s tensors, or the mapping's values
+    held: Held                                  # walk(module)'s tensors, or the mapping's values
     check: Callable[[list[torch.Tensor]], bool]  # its tensors' shapes, strides, dtypes
-    picks: list[int]                            # which of ``held`` its tensors are
+    picks: list[int]                            # which of the values its tensors are, in order
     node: Any                                   # its part of the tree
-    params: list[tuple[str, torch.Tensor]]
-    buffers: list[tuple[str, torch.Tensor]]
-    rest: list[tuple[str, str, torch.Tensor]]
+    # the names of its entries, in order; their tensors are the next walk's (picks)
+    params: list[str]
+    buffers: list[str]
+    rest: list[tuple[str, str]]                 # (kind, name)
     names: dict[str, tuple]
     structural_hash: str | None
     # the parts walked inside it (an optimizer state's per-parameter ones): kept
@@ -96,10 +98,11 @@ class WalkMemo:
     Only the parts of the last walk are kept. ``guard(tensors)`` makes that
     check (see :func:`snapsvc.engine.pools.tensor_guard`).
 
-    The memo never keeps the state alive: a part holds its module weakly, and
-    all parts go when any module, optimizer or stateful object of the walk
-    is collected (its tensors and an optimizer's moments with them: on CUDA,
-    GPU memory), so ``del model, opt`` frees them as it would without it."""
+    The memo never keeps the state alive: a part holds its module weakly and
+    no tensor at all (see :func:`hold`), and all parts go when any module,
+    optimizer or stateful object of the walk is collected, so ``del model,
+    opt``, or dropping one tensor of the state, frees it as it would without
+    the memo (on CUDA, GPU memory)."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
@@ -145,18 +148,48 @@ def leaves(v: Mapping, kind: tuple[str, str | None] | None) -> tuple[Any, list] 
             tuple((tuple(d), tuple(map(type, d))) for d in values)), held
 
 
-def same(then: list, now: list) -> bool:
-    """Whether ``now`` holds what a memo's part held (``then``): the same objects, or
-    plain tensors over the same memory. ``state_dict()`` detaches every tensor anew
-    at each call (Lightning's checkpoint holds the model's): a new tensor at the
-    address of one the part keeps alive is over the same memory, and the part's
-    guard then checks its shape, strides and dtype."""
-    if len(then) != len(now):
+class Held(NamedTuple):
+    """What a part held, as :func:`same` compares it, without any tensor: the
+    plain values themselves (a tensor's place None), every value's type and
+    ``id``, and each plain tensor's address where kept by address (else -1).
+    No weak reference either: one on a tensor makes ``torch.utils.swap_tensors``
+    (``load_state_dict(assign=True)``, swapped ``module.to()``) refuse it."""
+
+    values: list
+    types: list[type]
+    ids: list[int]
+    ptrs: list[int]
+
+
+def hold(values: list, by_address: bool) -> Held:
+    """``values`` (a part's) as the part keeps them: a tensor the state lets
+    go of (an ``extra`` value, an optimizer moment replaced by a new object)
+    is freed then, not at the next submit."""
+    ptr = torch.Tensor.data_ptr
+    return Held([None if isinstance(v, torch.Tensor) else v for v in values],
+                list(map(type, values)), list(map(id, values)),
+                [ptr(v) if by_address and type(v) is torch.Tensor else -1 for v in values])
+
+
+def same(then: Held, now: list) -> bool:
+    """Whether ``now`` holds what a memo's part held (``then``): values of
+    the same types, each at the same ``id``, or (where the part kept
+    addresses) a plain tensor at the same data address. ``state_dict()``
+    detaches every tensor anew at each call (Lightning's checkpoint holds the
+    model's), so the tensors of the last call are gone by the next.
+
+    Neither says "the same tensor" (the part keeps none alive: a new one may
+    take a freed one's id or memory), and nothing relies on it: the part's
+    entries take ``now``'s tensors, which its guard checks (shape, strides,
+    dtype, device, layout), and their names are the part's keys (a mapping)
+    or its module's outline, checked before. The plain values the part keeps
+    alive, so an equal ``id`` is the same value."""
+    if len(then.ids) != len(now) or list(map(type, now)) != then.types:
         return False
-    if all(map(operator.is_, then, now)):
+    if list(map(id, now)) == then.ids:
         return True
     ptr = torch.Tensor.data_ptr
-    return all(a is b or type(a) is torch.Tensor and type(b) is torch.Tensor
-               and ptr(a) == ptr(b) for a, b in zip(then, now))
+    return all(i == id(b) or p >= 0 and ptr(b) == p
+               for i, p, b in zip(then.ids, then.ptrs, now))
 
 

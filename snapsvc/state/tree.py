@@ -52,7 +52,7 @@ from ..format.protocol import ObjectNode, TensorRef
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-from .memo import Part, WalkMemo, leaves, same, walk
+from .memo import Part, WalkMemo, hold, leaves, same, walk
 from .paths import MAX_DEPTH, model_key, path_name, show
 
 __all__ = ["Flat", "StepState", "flatten", "check_plain", "dtensor_type", "is_dtensor",
@@ -142,14 +142,15 @@ class _Walker:
         if part is None or part.what is not what and part.what != what \
                 or not same(part.held, held):
             return None
-        if not part.check([held[i] for i in part.picks]) or not self.names.keys().isdisjoint(
-                part.names):
+        tensors = [held[i] for i in part.picks]   # now's: the part keeps none alive
+        if not part.check(tensors) or not self.names.keys().isdisjoint(part.names):
             return None
         self.names.update(part.names)
         self.parts.update(part.inner)
-        self.flat.params += part.params
-        self.flat.buffers += part.buffers
-        self.flat.rest += part.rest
+        p, b = len(part.params), len(part.params) + len(part.buffers)
+        self.flat.params += zip(part.params, tensors[:p])
+        self.flat.buffers += zip(part.buffers, tensors[p:b])
+        self.flat.rest += [(kind, name, t) for (kind, name), t in zip(part.rest, tensors[b:])]
         assert self.flat.geometry is not None   # a walk's Flat has it from the start
         for mine, its in zip(self.flat.geometry, part.geometry):
             mine += its
@@ -179,8 +180,11 @@ class _Walker:
         inner = dict(list(self.parts.items())[marks[3]:])
         geometry = cast("tuple[list, list, list]",
                         tuple(g[m:] for g, m in zip(flat.geometry, marks)))
-        self.parts[key] = Part(what, list(held), self.memo.guard(tensors), picks, node,
-                                params, buffers, rest, names, structural_hash, inner, geometry)
+        # a module's tensors by identity alone: its entries' names are not its part's keys
+        self.parts[key] = Part(what, hold(held, by_address=key[0] == "map"), self.memo.guard(tensors), picks, node,
+                               [n for n, _ in params], [n for n, _ in buffers],
+                               [(k, n) for k, n, _ in rest], names, structural_hash, inner,
+                               geometry)
 
     def show(self, path: tuple) -> str:
         return show(path, self.root)
@@ -390,8 +394,8 @@ def flatten(state: Mapping, memo: WalkMemo | None = None, *, sharded: bool = Fal
     stages of each entry is :mod:`snapsvc.distributed.shards`'s business.
     ``memo``: the parts of the last walk that
     still hold are not walked again (see :class:`WalkMemo`); it keeps this
-    walk's. Tensors are the live ones (not detached), or a memo's part's over the
-    same memory: copy them under ``no_grad``.
+    walk's. Tensors are the state's own, live (not detached): copy them under
+    ``no_grad``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"a state must be a Mapping, not {type(state).__name__}")

@@ -29,6 +29,19 @@ after it) copies everything, and, in every mode, returns once the file is
 whole (as stock's does), then stops the sidecar. Loads, removals and ``teardown``
 wait for pending copies as for pending writes.
 
+What a checkpoint may hold. Whatever a save would refuse (a value of a type
+snapsvc does not store, added in ``on_save_checkpoint`` or held in a
+callback's ``state_dict()``) is refused when ``fit`` starts, not at the first
+save an epoch in: as the fit loop starts (after the ``on_train_start`` hooks,
+before the first training step), the trainer builds the checkpoint its saves
+will hold (``dump_checkpoint``: the model's, optimizers', callbacks' and
+datamodule's states, and every ``on_save_checkpoint`` hook), and the plugin
+walks it as a save would, copying and writing nothing. So each of those hooks
+runs once more than with stock, on every rank, and on a strategy that gathers
+its states for a checkpoint (FSDP) the trial gathers them too. A value added
+only later, by a hook that saves something else at a later step, is refused at
+that save.
+
 Readers. A load or removal of a path waits for every write of it still pending
 in this process, whichever ``SnapsvcCheckpointIO`` submitted it (a second
 Trainer, ``load_from_checkpoint``, the parent of a forked rank): each save is
@@ -55,8 +68,9 @@ from typing import Any, Callable, cast
 
 import torch
 
+from ...engine.plan import request
 from ...engine.writer import SnapshotWriter, WriteHandle
-from ...errors import FormatError, PathError
+from ...errors import EncodeError, FormatError, PathError, UnsupportedStateError
 from ...files.checkpoint import checkpoint_version
 from ...files.ramtier import held, read_first
 from ...state.readback import load
@@ -153,6 +167,19 @@ class SnapsvcCheckpointIO:
             # and any reader (load_from_checkpoint, another Trainer) may read it now.
             # The sidecar stops too: nothing may save again, so it must not stay running.
             self.teardown()
+
+    def _check_saveable(self, checkpoint: dict[str, Any]) -> None:
+        """Raise what saving ``checkpoint`` would raise for its contents
+        (``UnsupportedStateError``, ``EncodeError``), saying it was refused at
+        ``fit`` start; nothing is copied or written. ``fit`` calls it with a
+        trial checkpoint once the loop starts (see the module docstring)."""
+        try:
+            request(encode_hparams(checkpoint), None, None)
+        except (UnsupportedStateError, EncodeError) as e:
+            note = ("refused at fit start, before any training step (a trial of the checkpoint "
+                    f"each save will hold): {e}")
+            raise (UnsupportedStateError(note, path=e.path) if isinstance(e, UnsupportedStateError)
+                   else EncodeError(note)) from None
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -63,6 +63,16 @@ def _fit(original: Callable[..., Any]) -> Callable[..., Any]:
     return fit
 
 
+def _on_run_start(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def on_run_start(self: Any) -> None:
+        original(self)   # on_train_start hooks first: they may set what a save holds
+        io = plugin_of(self.trainer)
+        if io is not None:   # every rank: a refusal on rank 0 alone would leave the others waiting
+            io._check_saveable(self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+    return on_run_start
+
+
 def _pl_load(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
@@ -96,8 +106,10 @@ def register() -> None:
             checkpoint = importlib.import_module(f"{flavour}.callbacks.model_checkpoint")
             trainer = importlib.import_module(f"{flavour}.trainer.trainer")
             saving = importlib.import_module(f"{flavour}.core.saving")
+            fit_loop = importlib.import_module(f"{flavour}.loops.fit_loop")
         except ImportError:
             continue
         wrap(checkpoint.ModelCheckpoint, "file_exists", _file_exists)
         wrap(trainer.Trainer, "fit", _fit)
+        wrap(fit_loop._FitLoop, "on_run_start", _on_run_start)
         wrap(saving, "pl_load", _pl_load)
