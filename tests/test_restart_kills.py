@@ -62,3 +62,108 @@ def test_twenty_trainers_sigkilled_at_random_points_each_resume_bit_exact_from_r
     assert ramtier.ram_path(d / "x") is None, why
     sock = rendezvous.socket_path(str(d))
     assert sock is None or not os.path.exists(sock), why
+
+
+# -- flat resources over many submits ----------------------------------------------
+import torch  # noqa: E402
+
+import snapsvc  # noqa: E402
+from conftest import _shm_entries  # noqa: E402
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def _footprint(pid: int, directory) -> dict[str, int]:
+    """What could grow: both processes' RSS and fds, /dev/shm entries, the RAM copies'
+    bytes, the checkpoints on disk (not dot names: a temp, or a rotated file being unlinked)."""
+    ram = ramtier.ram_path(directory / "x")
+    folder = os.path.dirname(ram) if ram is not None else None
+    return {"rss": _rss(os.getpid()), "sidecar_rss": _rss(pid),
+            "fds": len(os.listdir("/proc/self/fd")), "sidecar_fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "shm": len(_shm_entries()),
+            "ram_files": len(os.listdir(folder)) if folder else 0,
+            "ram_bytes": sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+            if folder else 0,
+            "disk_files": len([n for n in os.listdir(directory) if not n.startswith(".")])}
+
+
+@pytest.mark.timeout(120)
+def test_rss_shm_and_fds_stay_flat_over_200_submits_with_persist_every(tmp_path, no_leaks):
+    state = {"w": torch.randn(512, 512), "opt": {"m": torch.zeros(512, 512)}, "step": 0}  # 2 MiB
+    seen = []
+    with snapsvc.SnapshotWriter(tmp_path, persist_every=10, keep_last=2, linger=30) as w:
+        for step in range(1, 201):
+            state["w"].add_(1.0)
+            state["step"] = step
+            report = w.submit(state, f"step{step}.fdl").result(30)
+            assert report.in_memory == (step % 10 != 0)
+            if step in (40, 200):   # after warm-up (allocator, pools, first rotations), at the end
+                seen.append(_footprint(w.pid, tmp_path))
+        assert snapsvc.load(tmp_path / "step200.fdl")["step"] == 200
+        assert snapsvc.load(tmp_path / "step199.fdl")["step"] == 199   # held in RAM
+    warm, end = seen
+    # 160 more submits of a 2 MiB state: a leak of one copy each would be 320 MiB
+    for key in ("rss", "sidecar_rss"):
+        assert end[key] - warm[key] < 24 << 20, (key, warm, end)
+    for key in ("fds", "sidecar_fds", "shm", "ram_files", "disk_files"):
+        assert end[key] == warm[key], (key, warm, end)
+    assert abs(end["ram_bytes"] - warm["ram_bytes"]) < 1024, (warm, end)  # the names' digits
+
+
+# -- forks ---------------------------------------------------------------------------
+_FORKS = """
+import json, os, signal, sys, time, torch, snapsvc
+from snapsvc.files import ramtier, rendezvous
+d = sys.argv[1]
+w = snapsvc.SnapshotWriter(d, linger=30)
+w.submit({"w": torch.ones(8), "step": 1}, "step1.fdl", persist=False).result(30)
+sidecar = w.pid
+out = {}
+
+def child(how):
+    pid = os.fork()
+    if pid == 0:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "writer":   # a writer of its own on the same directory: nothing to attach to
+            with snapsvc.SnapshotWriter(d, linger=30) as own:
+                own.start()
+                with open(os.path.join(d, "child.json"), "w") as f:
+                    json.dump({"attached": own.attached is not None,
+                               "own": own.pid != sidecar}, f)
+        sys.exit(0)   # through the interpreter's exit: atexit, the parent's writer's finalizers
+    _, status = os.waitpid(pid, 0)
+    out[how] = os.WIFSIGNALED(status) and os.WTERMSIG(status)
+
+for how in ("exit", "sigkill", "writer"):
+    child(how)
+time.sleep(1.0)   # a sidecar that took a child's exit for its trainer's death would linger by now
+sock = rendezvous.socket_path(d)
+out.update(same=w.pid == sidecar, alive=os.path.exists(f"/proc/{sidecar}"),
+           lingering=sock is not None and os.path.exists(sock),
+           held=ramtier.held(os.path.join(d, "step1.fdl")) is not None,
+           child=json.load(open(os.path.join(d, "child.json"))))
+w.submit({"w": torch.ones(8), "step": 2}, "step2.fdl").result(30)
+out["after"] = w.pid == sidecar and snapsvc.load(os.path.join(d, "step2.fdl"))["step"]
+w.close()
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_never_attaches_lingers_or_stops_the_parents_sidecar(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run([sys.executable, "-c", _FORKS, str(tmp_path)], env=env, cwd=HERE,
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out == {"exit": 0, "sigkill": 9, "writer": 0, "same": True, "alive": True,
+                   "lingering": False, "held": True,
+                   "child": {"attached": False, "own": True}, "after": 2}, done.stderr[-3000:]
+    # the parent's clean close: nothing of the directory is left in RAM or on a socket
+    assert ramtier.ram_path(tmp_path / "x") is None
+    sock = rendezvous.socket_path(str(tmp_path))
+    assert sock is None or not os.path.exists(sock)
