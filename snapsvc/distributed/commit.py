@@ -31,11 +31,12 @@ from ..engine.handles import WriteReport
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..files.meta import read_meta
+from ..files.ramtier import held
 from ..format import fdl, kinds, protocol
 from ..state.paths import outline
 from .coord import _all_gather_msg, _broadcast_msg, _reason
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item, _settle
-from .manifest import MANIFEST_NAME, Manifest, RankFile, _write_manifest
+from .manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, RankFile, _write_manifest
 from .pieces import _entry_table
 
 __all__ = ["Coordinator"]
@@ -48,10 +49,13 @@ class Coordinator:
 
     def __init__(self, writer: SnapshotWriter, group: Any, root: int, rank: int,
                  world_size: int, coord_timeout: float, write_timeout: float,
-                 on_commit: Callable[[DistributedWriteHandle], None] | None = None) -> None:
+                 on_commit: Callable[[DistributedWriteHandle], None] | None = None,
+                 on_replicate: Callable[[DistributedWriteHandle], None] | None = None) -> None:
         self.writer = writer
         # with a remote tier: given each step committed on every rank, in commit order
         self.on_commit = on_commit
+        # with replicas: the same, for the replication thread (every step, persisted or not)
+        self.on_replicate = on_replicate
         self.group = group
         self.root = root
         self.rank = rank
@@ -77,7 +81,8 @@ class Coordinator:
         with self.lock:
             self._seq += 1
             handle = DistributedWriteHandle(self._seq, path, step, self.rank, file,
-                                            remote=self.on_commit is not None)
+                                            remote=self.on_commit is not None,
+                                            replicas=self.on_replicate is not None)
             self.unresolved[handle.seq] = handle
         self.counts["submitted"] += 1
         return handle
@@ -133,6 +138,10 @@ class Coordinator:
         except OSError:   # not empty (a rank's files, kept for a post-mortem), or gone already
             pass
         _settle(item.handle, exc=err)
+        try:
+            item.handle._replicas.set_exception(err)
+        except Exception:  # InvalidStateError: resolved already (no replicas)
+            pass
 
     def _local(self, item: _Item) -> tuple[dict[str, Any], WriteReport | None]:
         """This rank's outcome, as sent to the others."""
@@ -165,8 +174,10 @@ class Coordinator:
         if report.skipped:
             out["error"] = f"its write was skipped (SnapshotWriter policy {self.writer.policy!r})"
             return out, None
+        # a memory-only step's file is its RAM copy
+        source = item.handle.file if item.persist else (held(item.handle.file) or item.handle.file)
         try:
-            meta = read_meta(item.handle.file)
+            meta = read_meta(source)
         except Exception as e:
             out["error"] = f"reading back its metadata: {_reason(e)}"
             return out, None
@@ -175,7 +186,7 @@ class Coordinator:
         entries = None
         if item.records is not None:
             try:
-                entries = _entry_table(item.handle.file, item.records,
+                entries = _entry_table(source, item.records,
                                        data["file"] if data else None)
             except Exception as e:
                 out["error"] = f"reading back its entry table: {_reason(e)}"
@@ -250,7 +261,8 @@ class Coordinator:
                     epoch=None if item.epoch is None else int(item.epoch),
                     metrics={str(k): float(v) for k, v in (item.metrics or {}).items()},
                     sharded=item.sharded)
-                _write_manifest(item.handle.path, manifest)
+                _write_manifest(item.handle.path, manifest,
+                                MANIFEST_NAME if item.persist else RAM_MANIFEST_NAME)
                 decision = [True, None]
             except Exception as e:
                 decision = [False, f"writing the manifest on rank 0: {_reason(e)}"]
@@ -279,11 +291,22 @@ class Coordinator:
                 f"step {step} not committed (no manifest) because of rank(s) "
                 f"{sorted(failures)}: {detail}", step=step, failures=failures))
             return
-        if self.on_commit is not None:
+        if self.on_commit is not None and item.persist:
             if agreed:
                 self.on_commit(item.handle)
             else:
                 item.handle.fail_upload(f"not uploaded: {self.broken}")
+        elif self.on_commit is not None:
+            item.handle.fail_upload("not uploaded: a memory-only step (persist=False)")
+        if self.on_replicate is not None:
+            if agreed:
+                self.on_replicate(item.handle)
+            else:
+                try:
+                    item.handle._replicas.set_exception(DistributedCheckpointError(
+                        f"not replicated: {self.broken}", step=step))
+                except Exception:  # InvalidStateError
+                    pass
         total = sum(g["size"] + sum(c["size"] for c in (g["optim"], g["data"]) if c)
                     for g in gathered)
         self.counts["committed"] += 1
@@ -296,7 +319,8 @@ class Coordinator:
             encode_s=report.encode_s,
             write_s=report.write_s, fsync_s=report.fsync_s,
             total_s=time.monotonic() - item.started, seq=item.handle.seq, step=step,
-            file=item.handle.file, manifest=os.path.join(item.handle.path, MANIFEST_NAME),
+            file=item.handle.file, manifest=os.path.join(
+                item.handle.path, MANIFEST_NAME if item.persist else RAM_MANIFEST_NAME),
             rank=self.rank, world_size=self.world_size, total_bytes=total, coord_s=coord_s))
 
 

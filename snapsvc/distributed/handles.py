@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -36,16 +37,34 @@ class DistributedWriteHandle(WriteHandle):
     fails on every rank with :class:`DistributedCheckpointError`. With a remote
     tier, :meth:`uploaded` returns the step's remote URL on every rank once rank
     0 committed the remote manifest (after every rank's upload), or raises
-    :class:`~snapsvc.errors.UploadError` on every rank.
+    :class:`~snapsvc.errors.UploadError` on every rank. With ``replicas``,
+    :meth:`replicated` waits for this rank's copies in its peers' RAM.
     """
 
     def __init__(self, seq: int, path: str, step: int, rank: int, file: str, *,
-                 remote: bool = False) -> None:
+                 remote: bool = False, replicas: bool = False) -> None:
         super().__init__(seq, path, remote=remote)
         self.step = step
         self.rank = rank
         self.file = file
         self.local: WriteHandle | None = None   # this rank's SnapshotWriter handle
+        # this rank's replicas: the ranks holding them, or why they are not held
+        self._replicas: "concurrent.futures.Future[list[int]]" = concurrent.futures.Future()
+        if not replicas:
+            self._replicas.set_result([])
+
+    def replicated(self, timeout: float | None = None) -> list[int]:
+        """Wait until every replica of this rank's snapshot is held in a peer's RAM
+        (``replicas=k``); the ranks holding them ([] without replicas).
+
+        ``TimeoutError`` after ``timeout`` seconds; a :class:`~snapsvc.errors.SnapsvcError`
+        naming the peer when a replica could not be placed (or the step failed).
+        """
+        try:
+            return self._replicas.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"step {self.step}: the replicas of rank {self.rank} were not "
+                               f"held within {timeout} s") from None
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -67,6 +86,7 @@ class _Item:
     tree: Any = None                              # state: its tree, as the metadata holds it
     outline: list[str] | None = None              # state: its structure (state.paths.outline)
     digests: tuple[str, str] | None = None        # state: of the outline, of the whole tree
+    persist: bool = True                          # False: memory-only (RAM manifest, RAM files)
 
 
 def _settle(handle: WriteHandle, result: Any = None, exc: BaseException | None = None) -> None:

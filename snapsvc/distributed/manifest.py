@@ -34,13 +34,16 @@ from ..errors import CheckpointNotFoundError, FormatError
 from ..files.meta import meta_path, read_msgpack_file, unpack_msgpack_map
 from ..format.protocol import pack_value
 
-__all__ = ["MANIFEST_NAME", "Manifest", "RankFile", "parse_manifest", "read_manifest", "step_dir",
+__all__ = ["MANIFEST_NAME", "RAM_MANIFEST_NAME", "Manifest", "RankFile", "parse_manifest", "read_manifest", "step_dir",
            "step_number"]
 
 log = logging.getLogger("snapsvc")
 
 
 MANIFEST_NAME = "manifest.msgpack"
+# a memory-only step's manifest: its rank files are in the RAM tier (own or replicas), so
+# the disk tier (latest_checkpoint without RAM, ls, uploads) never takes it for complete
+RAM_MANIFEST_NAME = "manifest.ram.msgpack"
 MANIFEST_MAGIC = "snapsvc-dist-manifest"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -107,11 +110,11 @@ def _committed(r: RankFile, meta: Any
     return out
 
 
-def _write_manifest(directory: str, manifest: Manifest) -> str:
-    """Durably write ``directory/manifest.msgpack``; fsync ``directory``'s parent too."""
+def _write_manifest(directory: str, manifest: Manifest, name: str = MANIFEST_NAME) -> str:
+    """Durably write ``directory/<name>``; fsync ``directory``'s parent too."""
     body = {"magic": MANIFEST_MAGIC, "manifest_version": MANIFEST_VERSION,
             **{k: v for k, v in asdict(manifest).items() if k != "path"}}
-    path = os.path.join(directory, MANIFEST_NAME)
+    path = os.path.join(directory, name)
     with atomic_write(path) as out:   # temp, fsync, rename, fsync step dir
         out.write(pack_value(body))
     fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the step_<N> entry itself

@@ -28,7 +28,9 @@ from .coord import _rank_and_world
 from .manifest import _committed
 from .shards import _dtensor_type, _is_dtensor
 from .pieces import _PieceReader, _globals, _region, _user_extra
+from .ramsteps import _manifest, ram_step
 from .tier import LocalStep, open_step
+from ..remote.store import is_url
 
 __all__ = ["restore_distributed"]
 
@@ -70,8 +72,33 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
 
     ``timeout``: from the remote tier, the deadline of each read
     (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
+
+    A local step whose rank files are not all on disk (a memory-only step, or a
+    lost node's files) is read from RAM: each rank file this rank needs comes
+    from its first live source, in the order its own RAM, a peer's replica
+    (sent over a gloo group), the disk; each is checked as a file on disk is.
+    This is a collective: every rank must call it (see docs/distributed.md).
     """
-    step = open_step(path, timeout)
+    # (path, state_mapping, process_group): the third argument is the group
+    group = optimizer if isinstance(model, Mapping) and optimizer is not None else process_group
+    if is_url(path):
+        return _restore(open_step(path, timeout), model, optimizer, process_group, strict,
+                        verify)
+    # a step not wholly on disk: each needed rank file from its first live copy (RAM)
+    with ram_step(os.fspath(path), group, _sharded(os.fspath(path))) as in_ram:
+        step = open_step(path, timeout) if in_ram is None else LocalStep(in_ram)
+        return _restore(step, model, optimizer, process_group, strict, verify)
+
+
+def _sharded(path: str) -> bool:
+    """The step at ``path`` is read by byte ranges from every rank's file."""
+    m = _manifest(path)
+    return m is not None and m.sharded is not None
+
+
+def _restore(step: LocalStep, model: nn.Module | Mapping[Any, Any],
+             optimizer: torch.optim.Optimizer | None, process_group: Any, strict: bool,
+             verify: bool) -> LoadReport:
     m = step.manifest
     if isinstance(model, Mapping):   # (path, state_mapping, process_group): the third is the group
         if isinstance(optimizer, torch.optim.Optimizer):

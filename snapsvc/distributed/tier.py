@@ -37,6 +37,7 @@ from ..remote.url import as_oserror
 from .manifest import MANIFEST_NAME, Manifest, RankFile, _committed, _latest_local, _missing, \
     parse_manifest, read_manifest, step_number
 from .pieces import _Global, _Piece, _PieceReader, _sizes
+from .ramsteps import ram_latest
 
 __all__ = ["latest_checkpoint", "open_step", "LocalStep", "RemoteStep", "RemotePieces",
            "remote_complete_steps", "listed_steps"]
@@ -58,19 +59,27 @@ def latest_checkpoint(directory: str | os.PathLike[str],
     manifest decodes, names this step, and every file it lists exists with the
     recorded size (sizes only; :func:`restore_distributed` checks CRC-32s of
     what it loads). Steps without a manifest are incomplete and skipped,
-    whatever they hold. An unreachable remote is an ``OSError``, within
+    whatever they hold. With torch.distributed initialized, a newer step complete
+    in RAM counts too (its manifest in its directory, every rank's file held by
+    a live copy: the rank's own RAM, a peer's replica, or the disk; see
+    docs/distributed.md "Peer replicas"): deciding that is a collective, so every
+    rank must call this when such a step may exist, and every rank gets the same
+    answer. An unreachable remote is an ``OSError``, within
     ``timeout`` (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
     """
-    local = _latest_local(directory)
-    if remote is None:
-        return None if local is None else local[1]
-    if is_url(remote):
-        far = _newest_remote(str(remote), None if local is None else local[0], timeout)
-    else:
-        far = _latest_local(remote)
-    if far is not None and (local is None or far[0] > local[0]):
-        return far[1]
-    return None if local is None else local[1]
+    best = _latest_local(directory)
+    if remote is not None:
+        if is_url(remote):
+            far = _newest_remote(str(remote), None if best is None else best[0], timeout)
+        else:
+            far = _latest_local(remote)
+        if far is not None and (best is None or far[0] > best[0]):
+            best = far
+    # a newer step complete in RAM (own copies, peers' replicas): every rank agrees
+    ram = ram_latest(directory, None if best is None else best[0])
+    if ram is not None:
+        best = ram
+    return None if best is None else best[1]
 
 
 async def listed_steps(store: Store, objects: dict[str, int]

@@ -60,6 +60,7 @@ from .commit import Coordinator
 from .coord import _all_gather_msg, _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
+from .replicas import Replicator, node_id
 from .shards import SHARDS_KEY, ShardMemo, _holds_dtensor, _is_sharded, _shard_plan, \
     _state_plan
 from .uploads import Uploads, upload_wait
@@ -106,6 +107,15 @@ class DistributedSnapshotWriter:
     complete locally but not remotely (a crash, an outage) are uploaded the
     same way, newest first; their outcomes are logged.
 
+    ``replicas=k``: each rank's snapshot of each step is also held in the RAM of
+    ``k`` ranks on other nodes (:mod:`.replicas`; ``handle.replicated()``), sent
+    over a gloo group of the writer's own after the step is committed.
+    ``persist_every=K``: the K-th, 2K-th, ... submit is written to disk, the
+    others are memory-only (``submit(..., persist=False)`` makes one so);
+    ``linger``: seconds a sidecar whose trainer died keeps its RAM copies for
+    the next trainer of this rank (as for :class:`SnapshotWriter`).
+    See docs/distributed.md, "Peer replicas".
+
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
     """
@@ -116,6 +126,7 @@ class DistributedSnapshotWriter:
                  remote: str | os.PathLike[str] | None = None,
                  remote_keep_last: int | None = None, remote_timeout: float = 300.0,
                  remote_options: Mapping[str, Any] | None = None,
+                 replicas: int = 0, linger: float = 0.0, persist_every: int | None = None,
                  **writer_options: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DistributedSnapshotWriter needs torch.distributed initialized "
@@ -125,6 +136,12 @@ class DistributedSnapshotWriter:
                              "its own step directory: it is not supported here")
         if coord_timeout <= 0 or (write_timeout is not None and write_timeout <= 0):
             raise ValueError("coord_timeout and write_timeout must be positive")
+        if replicas < 0 or (persist_every is not None and persist_every < 1):
+            raise ValueError(f"replicas must be >= 0 and persist_every >= 1 or None, got "
+                             f"replicas={replicas!r}, persist_every={persist_every!r}")
+        self.replicas = int(replicas)
+        self.persist_every = persist_every
+        self._submits = 0   # persist_every's count: every step has its own directory
         self.directory = os.path.abspath(os.fspath(directory))
         self.process_group = process_group
         self.rank, self.world_size = _rank_and_world(process_group)
@@ -147,7 +164,11 @@ class DistributedSnapshotWriter:
         # rank0.fdl and rank1.fdl of one step for one series; Uploads rotates whole steps
         self._writer = SnapshotWriter(self.directory, remote=self.remote,
                                       remote_timeout=remote_timeout,
-                                      remote_options=remote_options, **writer_options)
+                                      remote_options=remote_options, linger=linger,
+                                      **writer_options)
+        # a lingering sidecar is found by its key: one per rank, not per shared directory
+        self._writer._life.options["linger_key"] = os.path.join(self.directory,
+                                                                f".rank{self.rank}")
         self._uploads: Uploads | None = None
         if self.remote is not None:
             # A rank's sidecar must not upload at its start what it finds in the shared
@@ -169,9 +190,18 @@ class DistributedSnapshotWriter:
                                     keep_last=remote_keep_last,
                                     upload=self._writer._upload_durable,
                                     group_timeout=group_timeout)
+        self._replicator: Replicator | None = None
+        if self.replicas:
+            self._replica_group = _new_group(process_group, self.coord_timeout)
+            self._replicator = Replicator(self.directory, self._replica_group, self.rank,
+                                          self.world_size, self.replicas, node_id(),
+                                          self.coord_timeout)
+        replicator = self._replicator
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
-                                  on_commit=None if self._uploads is None else self._uploads.add)
+                                  on_commit=None if self._uploads is None else self._uploads.add,
+                                  on_replicate=None if replicator is None
+                                  else lambda h: replicator.add(h, h.file))
         self._shard_memo = ShardMemo()   # a state submit's walk, kept for the next
         self._started = False
         self._closed = False
@@ -202,6 +232,8 @@ class DistributedSnapshotWriter:
             self._coord.start()
             if self._uploads is not None:
                 self._uploads.start()
+            if self._replicator is not None:
+                self._replicator.start()
             self._started = True
             _live.add(self)
         return self
@@ -225,13 +257,19 @@ class DistributedSnapshotWriter:
         _live.discard(self)
         self._shard_memo = ShardMemo()   # lets go of the last state's tensors
         deadline = None if timeout is None else time.monotonic() + timeout
+        groups: list[Any] = []
         ended = self._coord.stop(timeout)
+        if self._replicator is not None:   # the queued steps replicate before the sidecar goes
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            if self._replicator.stop(left) and ended:
+                self._replicator.drop_all()   # a clean close: the replicas held here go
+                groups.append(self._replica_group)
         if self._uploads is not None:   # an earlier run's steps reach the sidecar first
             self._uploads.handed_over(None if deadline is None
                                       else max(0.1, deadline - time.monotonic()))
         left = None if deadline is None else max(0.1, deadline - time.monotonic())
         self._writer.close(left)   # the sidecar settles every upload before it exits
-        groups = [self._group] if ended else []
+        groups += [self._group] if ended else []
         if self._uploads is not None:
             left = None if deadline is None else max(0.1, deadline - time.monotonic())
             if self._uploads.stop(left) and ended:
@@ -248,7 +286,7 @@ class DistributedSnapshotWriter:
     def submit(self, model: nn.Module | Mapping[Any, Any], step: int, *,
                metrics: Mapping[str, float] | None = None, epoch: int | None = None,
                optimizer: torch.optim.Optimizer | None = None,
-               extra: Any = None) -> DistributedWriteHandle:
+               extra: Any = None, persist: bool | None = None) -> DistributedWriteHandle:
         """Stage this rank's part of checkpoint ``step``; return once it is copied.
 
         ``model`` is this rank's model (with ``optimizer`` and ``extra``), or
@@ -264,6 +302,8 @@ class DistributedSnapshotWriter:
         resolved, unless it is committed (its directory holds a manifest).
         No collective runs here. The handle resolves once rank 0 committed
         the manifest (on every rank), or fails on every rank.
+        ``persist=False``: memory-only (this rank's file in its sidecar's RAM, the
+        manifest named ``manifest.ram.msgpack``); None: as ``persist_every`` says.
         ``metrics``/``epoch``/``extra`` go to this rank's metadata; rank 0's
         metrics and epoch also to the manifest. If this raises (after the
         writer accepted the call), the checkpoint still takes part in
@@ -280,7 +320,10 @@ class DistributedSnapshotWriter:
         name = _rank_file(self.rank, self.compressed)
         pending = self._coord.newest_pending()
         handle = self._coord.handle(d, step, os.path.join(d, name))
-        item = _Item(handle, step, started, metrics, epoch)
+        if persist is None:
+            self._submits += 1
+            persist = self.persist_every is None or self._submits % self.persist_every == 0
+        item = _Item(handle, step, started, metrics, epoch, persist=bool(persist))
         try:
             if step < 0:
                 raise ValueError(f"step must be >= 0, got {step}")
@@ -309,7 +352,7 @@ class DistributedSnapshotWriter:
                 item.tree = flat.tree   # its outline and digests: the coordinator's work
                 # a Flat: submit's internal form of a state taken apart (engine.plan)
                 handle.local = self._writer.submit(cast(Any, flat), handle.file, metrics=metrics,
-                                                   epoch=epoch)
+                                                   epoch=epoch, persist=item.persist)
             elif isinstance(model, nn.Module) and _is_sharded(model):
                 self._ranged(item, "a sharded model")
                 extra = check_plain(extra, "extra")   # before it is wrapped: errors name it
@@ -317,10 +360,12 @@ class DistributedSnapshotWriter:
                 handle.local = self._writer.submit(snap, handle.file, metrics=metrics,
                                                    epoch=epoch,
                                                    extra={SHARDS_KEY: item.records,
-                                                          "extra": extra})
+                                                          "extra": extra},
+                                                   persist=item.persist)
             else:
                 handle.local = self._writer.submit(model, handle.file, metrics=metrics,
-                                                   epoch=epoch, optimizer=optimizer, extra=extra)
+                                                   epoch=epoch, optimizer=optimizer, extra=extra,
+                                                   persist=item.persist)
         except BaseException as e:
             item.error = e
             self._coord.queue.put(item)   # keep every rank's sequence of exchanges aligned
@@ -349,7 +394,9 @@ class DistributedSnapshotWriter:
 
     def stats(self) -> dict[str, Any]:
         """Counts of checkpoints, and this rank's SnapshotWriter figures under ``"writer"``."""
-        uploads = {} if self._uploads is None else dict(self._uploads.counts)
+        uploads: dict[str, Any] = {} if self._uploads is None else dict(self._uploads.counts)
+        if self._replicator is not None:
+            uploads.update(self._replicator.counts)
         return {**self._coord.counts, **uploads, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
 

@@ -93,7 +93,8 @@ class Life:
                     self.options["written"] = list(book.kept)
             if not self._serve(first=not started):
                 if not started and self.owner.directory is not None:  # the first start only
-                    self.owner.attached = take_over(self.owner.directory,
+                    self.owner.attached = take_over(self.options.get("linger_key",
+                                                                     self.owner.directory),
                                                     self.options.get("linger", 0.0), self.options)
                     if self.owner.attached is not None and book.kept is not None:
                         with book.cond:

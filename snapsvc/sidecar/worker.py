@@ -200,7 +200,8 @@ class _Sidecar:
             self.serve()
             if self.orphaned and options.get("linger") and options.get("directory"):
                 linger = importlib.import_module(".linger", __package__)
-                handed = linger.linger(self.files(), options["directory"], options["linger"],
+                handed = linger.linger(self.files(), options.get("linger_key")
+                                       or options["directory"], options["linger"],
                                        self.failures)
         finally:  # uploads get up to remote_timeout after the last message
             if self.later is not None and self.later.remote:

@@ -1,0 +1,212 @@
+"""Steps complete in RAM: found by :func:`latest_checkpoint`, read by :func:`restore_distributed`.
+
+A step is complete in RAM when its manifest (``manifest.msgpack``, or
+``manifest.ram.msgpack`` for a memory-only step) is in its directory and every
+rank's file of it is held by some live copy: the rank's own RAM copy, a
+replica in a peer's RAM (:mod:`.replicas`), or the disk. No rank sees the
+others' RAM, so deciding is a collective: each rank checks the copies it
+holds (their CRC-32s, against their metadata: a bad copy is logged with the
+rank and the source, and never offered), then every rank gathers every
+rank's list and takes the same answer.
+
+Reading such a step: per rank file needed (this rank's own; every rank's for
+a sharded checkpoint), the first source in the order own RAM, a peer's
+replica (sent over a gloo group), the disk. The files land in a private
+folder laid out as the step directory, which the usual readers then read
+and check as they check a step on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from ..errors import SnapsvcError
+from ..files.metafile import checkpoint_names
+from ..files.ramtier import held
+from .coord import _all_gather_msg, _new_group
+from .manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, read_manifest, \
+    step_dir, step_number
+from .replicas import held_by, recv_files, send_files, store_files, verified
+
+__all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT"]
+
+log = logging.getLogger("snapsvc")
+
+RAM_TIMEOUT = 300.0   # seconds a rank waits for the others in these collectives
+
+OWN, REPLICA, DISK = "own RAM", "replica RAM", "disk"
+
+
+def _manifest(path: str) -> Manifest | None:
+    """The step's manifest, disk or memory-only; None when it has none or it is bad."""
+    for name in (MANIFEST_NAME, RAM_MANIFEST_NAME):
+        if os.path.exists(os.path.join(path, name)):
+            try:
+                return read_manifest(os.path.join(path, name))
+            except SnapsvcError as e:
+                log.warning("%s: unreadable manifest; skipped: %s", path, e)
+                return None
+    return None
+
+
+def _on_disk(m: Manifest) -> bool:
+    return not _missing(m)
+
+
+def _rank_on_disk(m: Manifest, rank: int) -> bool:
+    """Rank ``rank``'s files of ``m`` are all on disk at their committed sizes."""
+    return not _missing(dataclasses.replace(m, ranks=[m.ranks[rank]]))
+
+
+def _copies(m: Manifest, rank: int, check: bool) -> dict[int, tuple[str, str]]:
+    """The copies of ``m``'s rank files this rank holds: origin -> (source, path),
+    each checked (``check``) against its metadata's CRC-32s."""
+    out: dict[int, tuple[str, str]] = {}
+    if rank < m.world_size:
+        own = held(os.path.join(m.path, m.ranks[rank].file))
+        if own is not None and (not check or verified(own, f"rank {rank}'s own RAM copy "
+                                                          f"of step {m.step}")):
+            out[rank] = (OWN, own)
+    for origin, ram in sorted(held_by(os.path.dirname(m.path), m.step, rank,
+                                      m.world_size).items()):
+        if origin in out or os.path.basename(ram) != m.ranks[origin].file:
+            continue
+        if not check or verified(ram, f"rank {rank}'s replica of rank {origin}'s file of "
+                                      f"step {m.step}"):
+            out[origin] = (REPLICA, ram)
+    return out
+
+
+def _rank_world(process_group: Any) -> tuple[int, int] | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+@contextlib.contextmanager
+def _group(process_group: Any) -> Iterator[Any]:
+    group = _new_group(process_group, RAM_TIMEOUT)
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def ram_latest(directory: str | os.PathLike[str], above: int | None,
+               process_group: Any = None) -> tuple[int, str] | None:
+    """The newest step above ``above`` complete in RAM (see the module docstring),
+    the same on every rank; None when there is none. A collective over the world
+    (every rank must call it) when the directory holds a step newer than
+    ``above`` that the disk alone does not complete."""
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    candidates = []
+    for n in sorted((s for s in map(step_number, names) if s is not None), reverse=True):
+        if above is not None and n <= above:
+            break
+        m = _manifest(step_dir(directory, n))
+        if m is not None and m.step == n and not _on_disk(m):
+            candidates.append(m)
+    where = _rank_world(process_group)
+    if not candidates or where is None:
+        return None
+    rank, world = where
+    mine = {m.step: sorted(_copies(m, rank, check=True)) for m in candidates}
+    with _group(process_group) as group:
+        tables = _all_gather_msg(mine, world, group)
+    for m in candidates:   # newest first: the same walk on every rank
+        have = {o for t in tables for o in t.get(m.step, ())}
+        have |= {r for r in range(m.world_size) if _rank_on_disk(m, r)}
+        if have >= set(range(m.world_size)):
+            return m.step, m.path
+        log.info("step %d is not complete in RAM: no live copy of rank(s) %s", m.step,
+                 sorted(set(range(m.world_size)) - have))
+    return None
+
+
+@contextlib.contextmanager
+def ram_step(path: str, process_group: Any, every_rank: bool) -> Iterator[Manifest | None]:
+    """The step ``path`` as a manifest whose ``path`` is a private folder holding the
+    rank files this rank needs (its own; every rank's with ``every_rank``), each from
+    its first live source; None (no collective) when the disk holds the whole step.
+    A collective over the world otherwise."""
+    m = _manifest(path)
+    if m is None:
+        yield None   # the readers say what is missing
+        return
+    if _on_disk(m):
+        yield None
+        return
+    where = _rank_world(process_group)
+    if where is None:
+        raise SnapsvcError(f"{path}: its rank files are not all on disk and torch.distributed is "
+                           "not initialized; the RAM copies are read by every rank together")
+    rank, world = where
+    copies = _copies(m, rank, check=True)
+    needs = list(range(m.world_size)) if every_rank else [rank] if rank < m.world_size else [0]
+    view = tempfile.mkdtemp(prefix=f"snapsvc-step{m.step}-rank{rank}-")
+    try:
+        with _group(process_group) as group:
+            tables = _all_gather_msg({"have": sorted(copies), "needs": needs}, world, group)
+            for origin in range(m.world_size):
+                _serve(m, origin, tables, copies, rank, group, view)
+        yield dataclasses.replace(m, path=view)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+
+
+def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
+           copies: dict[int, tuple[str, str]], rank: int, group: Any, view: str) -> None:
+    """Bring ``origin``'s rank file to every rank that needs it (the same walk on every rank)."""
+    needers = [r for r, t in enumerate(tables) if origin in t["needs"]]
+    if not needers:
+        return
+    holders = [r for r, t in enumerate(tables) if origin in t["have"]]
+    holders.sort(key=lambda r: (r != origin, r))   # its own RAM first, then replicas
+    disk = os.path.join(m.path, m.ranks[origin].file)
+    if not holders:
+        if rank in needers:
+            if _rank_on_disk(m, origin):
+                _link(disk, view)
+                log.info("step %d: rank %d's file from %s", m.step, origin, DISK)
+            else:
+                raise SnapsvcError(f"{m.path}: no live copy of rank {origin}'s file (not in its "
+                                   "own RAM, no replica in a peer's RAM, not on disk): restore "
+                                   "an older step (latest_checkpoint finds one)")
+        return
+    h = holders[0]
+    if rank == h:
+        source, ram = copies[origin]
+        for n in needers:
+            if n != rank:
+                send_files(checkpoint_names(ram), n, group)
+        if rank in needers:
+            _link(ram, view)
+        log.info("step %d: rank %d's file from rank %d's %s", m.step, origin, h, source)
+    elif rank in needers:
+        files, error = recv_files(h, group)
+        if error is not None:
+            raise SnapsvcError(f"rank {h} could not send rank {origin}'s file: {error}")
+        meta = [n for n in files if n.endswith(".meta")]
+        store_files(view, files, meta[0] if meta else "")
+        log.info("step %d: rank %d's file from rank %d's RAM, over the gloo group",
+                 m.step, origin, h)
+
+
+def _link(path: str, view: str) -> None:
+    """``path``'s files (metadata and companions) into ``view``, as symlinks."""
+    for p in checkpoint_names(path):
+        if os.path.exists(p):
+            os.symlink(p, os.path.join(view, os.path.basename(p)))
+

@@ -1,0 +1,339 @@
+"""Peer replicas: each rank's snapshot also held in the RAM of ranks on other nodes.
+
+Placement (:func:`place_replicas`) is a deterministic ring over the nodes:
+the j-th copy of a rank's snapshot goes to the node j places after its own,
+to the rank with the same position inside that node. A node is
+``SNAPSVC_NODE``, else torchrun's ``GROUP_RANK``, else the hostname
+(:func:`node_id`).
+
+Transport (:class:`Replicator`): a gloo group of the writer's own, used by
+one thread per rank, after a step is committed (the local copy is complete
+and every rank agreed). Every rank walks the same list of (origin, holder)
+pairs in the same order; only the two ranks of a pair act on it, so the
+exchanges never cross. Per pair: a msgpack header (file names and sizes),
+the files' bytes, then the holder's one-word answer. The holder writes the
+files, metadata last, under the RAM tier's mirror of
+``step_<N>/.replicas/held-by-<holder>/`` (:func:`replica_file`): the origin's
+own bytes and metadata, so a read checks a replica's CRC-32s as the origin's.
+
+Lifetime: a replica is a file in tmpfs that outlives a killed trainer (what a
+lost node's peers serve); the next writer of that rank on the directory
+adopts it, and a clean ``close()`` drops the replicas the rank holds. Per
+origin, a holder keeps the two newest steps (the newest may still be
+arriving while the one before is the newest complete in RAM).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SnapsvcError
+from ..files.metafile import checkpoint_names, meta_path
+from ..files.ramtier import drop, held, ram_path
+from ..files.verify import verify
+from ..format.protocol import pack_value, unpack_value
+from .coord import _reason
+from .manifest import step_dir, step_number
+
+__all__ = ["node_id", "place_replicas", "replica_file", "Replicator", "NODE_ENV"]
+
+log = logging.getLogger("snapsvc")
+
+NODE_ENV = "SNAPSVC_NODE"
+REPLICA_DIR = ".replicas"
+_KEEP = 2          # steps kept per origin by a holder
+_RANK_NAME = re.compile(r"rank(\d+)\.fdl(\.gz)?$")
+
+
+def node_id() -> str:
+    """This process's node: ``SNAPSVC_NODE``, else ``GROUP_RANK`` (torchrun), else the hostname."""
+    for key in (NODE_ENV, "GROUP_RANK"):
+        value = os.environ.get(key)
+        if value:
+            return value
+    return socket.gethostname()
+
+
+def place_replicas(nodes: Sequence[str], origin: int, k: int) -> list[int]:
+    """The ranks that hold ``origin``'s ``k`` replicas, given each rank's node.
+
+    A ring over the distinct nodes (in order of their first rank): copy j
+    (1-based) goes to the node j after ``origin``'s, to the rank at the same
+    position inside it (modulo its size). When there are fewer other nodes
+    than ``k``, the rest go to other ranks of any node, nearest rank first;
+    never to ``origin`` itself, never twice to one rank.
+    """
+    if k <= 0 or len(nodes) <= 1:
+        return []
+    order: list[str] = list(dict.fromkeys(nodes))
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    home = order.index(nodes[origin])
+    position = members[nodes[origin]].index(origin)
+    out: list[int] = []
+    for j in range(1, min(k, len(order) - 1) + 1):
+        ranks = members[order[(home + j) % len(order)]]
+        out.append(ranks[position % len(ranks)])
+    for step in range(1, len(nodes)):   # not enough nodes: other ranks, by distance
+        if len(out) >= k:
+            break
+        r = (origin + step) % len(nodes)
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def replica_file(directory: str, step: int, holder: int, name: str) -> str:
+    """Where ``holder``'s replica of the rank file ``name`` of ``step`` is named
+    (its RAM copy lives under the RAM tier's mirror of this path)."""
+    return os.path.join(step_dir(directory, step), REPLICA_DIR, f"held-by-{holder}", name)
+
+
+def verified(ram: str, what: str) -> bool:
+    """``ram`` (a RAM copy, its metadata beside it) passes its CRC-32 checks;
+    else logged, naming ``what`` (the rank and the source)."""
+    report = verify(ram)
+    if report.problems:
+        log.warning("snapsvc: %s is bad, skipped: %s", what, report.problems[0])
+        return False
+    return True
+
+
+def held_by(directory: str, step: int, holder: int, world: int) -> dict[int, str]:
+    """The replicas ``holder`` keeps of ``step``: origin rank -> RAM copy (complete, unchecked)."""
+    folder = os.path.dirname(replica_file(directory, step, holder, "x"))
+    ram = ram_path(os.path.join(folder, "x"))
+    if ram is None or not os.path.isdir(os.path.dirname(ram)):
+        return {}
+    out = {}
+    for name in os.listdir(os.path.dirname(ram)):
+        m = _RANK_NAME.match(name)
+        if m and int(m.group(1)) < world:
+            copy = held(os.path.join(folder, name))
+            if copy is not None:
+                out[int(m.group(1))] = copy
+    return out
+
+
+def _send_bytes(data: bytes | torch.Tensor, peer: int, group: Any) -> None:
+    t = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data) or
+                                                                     bytearray(1), dtype=torch.uint8)
+    dist.send(torch.tensor([t.numel()], dtype=torch.int64), peer, group=group)
+    dist.send(t, peer, group=group)
+
+
+def _recv_bytes(peer: int, group: Any) -> torch.Tensor:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, peer, group=group)
+    t = torch.empty(int(n), dtype=torch.uint8)
+    dist.recv(t, peer, group=group)
+    return t
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 tensor, without a copy."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> None:
+    """The files ``paths`` (any may be missing) to ``peer``: a header, then each file's bytes."""
+    present = [p for p in paths if os.path.exists(p)] if error is None else []
+    sizes = [os.path.getsize(p) for p in present]
+    _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
+                            "error": error}), peer, group)
+    for p, n in zip(present, sizes):
+        # read by torch straight into the tensor sent: one copy
+        _send_bytes(torch.from_file(p, shared=False, size=n, dtype=torch.uint8) if n
+                    else b"", peer, group)
+
+
+def recv_files(peer: int, group: Any) -> tuple[dict[str, torch.Tensor], str | None]:
+    """What :func:`send_files` sent: name -> bytes, and the sender's error."""
+    header = unpack_value(bytes(_recv_bytes(peer, group).tolist()))
+    files = {}
+    for name, n in zip(header["names"], header["sizes"]):
+        t = _recv_bytes(peer, group)
+        files[name] = t[:n]
+    return files, header["error"]
+
+
+def store_files(dest_dir: str, files: dict[str, torch.Tensor], meta_name: str) -> None:
+    """Write ``files`` into ``dest_dir`` (private, 0600), each to a temp name then
+    renamed, the metadata ``meta_name`` last: it vouches for the rest."""
+    for name in sorted(files, key=lambda n: n == meta_name):
+        final = os.path.join(dest_dir, name)
+        temp = f"{final}.{os.getpid()}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_view(files[name].contiguous()))
+            os.replace(temp, final)
+        except BaseException:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            raise
+
+
+class Replicator:
+    """This rank's replication thread (see the module docstring)."""
+
+    def __init__(self, directory: str, group: Any, rank: int, world_size: int, replicas: int,
+                 node: str, timeout: float) -> None:
+        from .coord import _all_gather_msg
+        self.directory = directory
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.nodes: list[str] = _all_gather_msg(node, world_size, group)   # a collective
+        self.placement = [place_replicas(self.nodes, r, replicas) for r in range(world_size)]
+        if replicas and len(set(self.nodes)) <= min(replicas, world_size - 1):
+            log.warning("snapsvc: replicas=%d but only %d node(s): some replicas share a node "
+                        "with their origin", replicas, len(set(self.nodes)))
+        self.queue: "queue.Queue[tuple[Any, str] | None]" = queue.Queue()
+        self.broken: str | None = None
+        self.kept: dict[int, list[int]] = {}   # origin -> steps held, oldest first
+        self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
+        self.thread: threading.Thread | None = None
+        self._adopt()
+
+    @property
+    def holders(self) -> list[int]:
+        """The ranks holding this rank's replicas."""
+        return self.placement[self.rank]
+
+    def _adopt(self) -> None:
+        """The replicas an earlier trainer of this rank left: kept track of (and rotated)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for n in sorted(s for s in map(step_number, names) if s is not None):
+            for origin in held_by(self.directory, n, self.rank, self.world_size):
+                self.kept.setdefault(origin, []).append(n)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="snapsvc-replicas", daemon=True)
+        self.thread.start()
+
+    def add(self, handle: Any, file: str) -> None:
+        """Replicate the committed step of ``handle`` (this rank's file ``file``)."""
+        self.queue.put((handle, file))
+
+    def stop(self, timeout: float | None) -> bool:
+        """Let the queued steps replicate (bounded); True when the thread ended."""
+        self.queue.put(None)
+        if self.thread is not None:
+            self.thread.join(timeout)
+            return not self.thread.is_alive()
+        return True
+
+    def drop_all(self) -> None:
+        """A clean close: every replica this rank holds goes."""
+        for origin, steps in self.kept.items():
+            for n in steps:
+                self._drop(origin, n)
+        self.kept.clear()
+
+    def _drop(self, origin: int, step: int) -> None:
+        for name in (f"rank{origin}.fdl", f"rank{origin}.fdl.gz"):
+            ram = ram_path(replica_file(self.directory, step, self.rank, name))
+            if ram is not None and os.path.exists(meta_path(ram)):
+                drop(ram)
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            handle, file = job
+            if self.broken is not None:
+                _fail(handle, SnapsvcError(f"step {handle.step}: not replicated: replication "
+                                           f"stopped after {self.broken}"))
+                continue
+            try:
+                self._one(handle, file)
+            except Exception as e:   # a peer died or hung: the group's state is unknown
+                self.broken = f"step {handle.step}: {_reason(e)}"
+                log.error("snapsvc: replicating step %d failed on rank %d: %s; no further "
+                          "replicas from this writer", handle.step, self.rank, _reason(e))
+                _fail(handle, SnapsvcError(
+                    f"step {handle.step}: replicas of rank {self.rank} not placed on rank(s) "
+                    f"{self.holders}: {_reason(e)}"))
+
+    def _one(self, handle: Any, file: str) -> None:
+        import time
+        step, group = handle.step, self.group
+        source = held(file) or file   # its RAM copy (persist=False), else the disk
+        problems: dict[int, str] = {}
+        t0, sent = time.monotonic(), 0
+        for origin, holders in enumerate(self.placement):
+            for h in holders:
+                if origin == self.rank:
+                    paths = [p for p in checkpoint_names(source)]
+                    send_files(paths, h, group)
+                    sent += sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+                    answer = unpack_value(bytes(_recv_bytes(h, group).tolist()))
+                    if answer is not None:
+                        problems[h] = answer
+                elif h == self.rank:
+                    _send_bytes(pack_value(self._receive(origin, step)), origin, group)
+        self.counts["replica_s"] += time.monotonic() - t0
+        self.counts["replica_bytes"] += sent
+        if problems:
+            _fail(handle, SnapsvcError(
+                f"step {step}: the replica of rank {self.rank} could not be placed on " +
+                "; ".join(f"rank {h} (node {self.nodes[h]}): {why}"
+                          for h, why in sorted(problems.items()))))
+            return
+        self.counts["replicated"] += 1
+        _resolve(handle, list(self.holders))
+
+    def _receive(self, origin: int, step: int) -> str | None:
+        """Hold ``origin``'s replica of ``step``; None, or why not."""
+        files, error = recv_files(origin, self.group)
+        if error is not None:
+            return error
+        metas = [n for n in files if n.endswith(".meta")]
+        if len(metas) != 1:
+            return f"expected one metadata file, got {sorted(files)}"
+        try:
+            name = metas[0][:-len(".meta")]
+            ram = ram_path(replica_file(self.directory, step, self.rank, name), create=True)
+            if ram is None:
+                return "no RAM tier (/dev/shm)"
+            if meta_path(ram) != os.path.join(os.path.dirname(ram), metas[0]):
+                return f"unexpected metadata name {metas[0]}"
+            store_files(os.path.dirname(ram), files, metas[0])
+        except (OSError, SnapsvcError) as e:
+            return _reason(e)
+        steps = self.kept.setdefault(origin, [])
+        if step not in steps:
+            steps.append(step)
+        for old in steps[:-_KEEP]:
+            steps.remove(old)
+            self._drop(origin, old)
+        return None
+
+
+def _resolve(handle: Any, holders: list[int]) -> None:
+    try:
+        handle._replicas.set_result(holders)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _fail(handle: Any, exc: BaseException) -> None:
+    try:
+        handle._replicas.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
