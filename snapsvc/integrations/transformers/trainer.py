@@ -41,11 +41,8 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
 
     Takes the Trainer's arguments plus ``snapsvc_options``, keyword arguments
     for the :class:`SnapshotWriter` (``slots``, ``policy``, ``nice``,
-    ``fault_hook``, the restart tier's ``linger``, ``keep_in_memory`` and
-    ``memory_limit``, ...). ``persist_every=K`` there: the K-th, 2K-th, ... save
-    of this trainer is written to disk, the others are memory-only (their
-    ``checkpoint-<N>`` holds HF's files, its state file is the sidecar's RAM copy,
-    resumable while a sidecar holds it; multi-process runs persist every save).
+    ``fault_hook``, the restart tier's ``linger``, ``keep_in_memory``, ``memory_limit``
+    and ``persist_every``: see :func:`_persist_every`, docs/restart.md).
     On a CPU run the sidecar runs at training's priority
     (the writer's default ``nice``). The writer
     (:attr:`snapsvc_writer`) starts at the first save and lives until
@@ -64,12 +61,7 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         if "directory" in self.snapsvc_options or "keep_last" in self.snapsvc_options:
             raise ValueError("snapsvc_options must not set 'directory' or 'keep_last': paths "
                              "come from args.output_dir and rotation from save_total_limit")
-        # counted here, per save: each checkpoint-<N>/ is a series of its own to the writer
-        self._snapsvc_every = self.snapsvc_options.pop("persist_every", None)
-        if self._snapsvc_every is not None and (type(self._snapsvc_every) is not int
-                                                or self._snapsvc_every < 1):
-            raise ValueError(f"persist_every must be an int >= 1 or None, got "
-                             f"{self._snapsvc_every!r}")
+        self._snapsvc_every = _persist_every(self.snapsvc_options)
         self._snapsvc_saves = 0
         self.snapsvc_writer: SnapshotWriter | DistributedSnapshotWriter | None = None
         self._snapsvc_committer = Committer()
@@ -109,10 +101,10 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
 
     def _snapsvc_start(self) -> SnapshotWriter | DistributedSnapshotWriter:
         if self.snapsvc_writer is None and not self._snapsvc_distributed:
-            options = self.snapsvc_options
-            if options.get("linger"):   # a sidecar lingers for, and is found by, a directory
-                options = {**options, "directory": self.args.output_dir}
-            self.snapsvc_writer = SnapshotWriter(**options).start()
+            # a sidecar lingers for, and is found by, a directory
+            linger: dict[str, Any] = {"directory": self.args.output_dir} \
+                if self.snapsvc_options.get("linger") else {}
+            self.snapsvc_writer = SnapshotWriter(**self.snapsvc_options, **linger).start()
         elif self.snapsvc_writer is None:
             # Every rank saves the same steps, so every rank is here. Leftovers of
             # a crashed run are removed before any rank writes.
@@ -192,13 +184,10 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
             else:
                 self._snapsvc_committer.remove_leftovers(run_dir)
                 os.makedirs(staging)
-                self._snapsvc_saves += 1
-                every = self._snapsvc_every
-                if every is None or self._snapsvc_saves % every == 0:
-                    handle = writer.submit(state, os.path.join(staging, STATE_FILE))
-                else:   # the state held in RAM under its final name; HF's files committed
-                    handle = writer.submit(state, os.path.join(final, STATE_FILE),
-                                           persist=False)
+                self._snapsvc_saves += 1   # memory-only: held in RAM under its final name
+                persist = not self._snapsvc_every or self._snapsvc_saves % self._snapsvc_every == 0
+                handle = writer.submit(state, os.path.join(staging if persist else final,
+                                                           STATE_FILE), persist=persist)
             if self.args.should_save:
                 self._snapsvc_write_hf_files(staging)
             else:
@@ -347,6 +336,18 @@ class SnapsvcTrainer(SnapsvcResume, Trainer):
         if self._snapsvc_distributed and self.snapsvc_writer is not None:
             torch.distributed.barrier()   # the main process has renamed the last one
         return super()._finalize_training(trial, num_train_samples, start_time)
+
+
+def _persist_every(options: dict[str, Any]) -> int | None:
+    """``persist_every=K`` taken out of the writer's options: the K-th, 2K-th, ... save of
+    the trainer is written to disk, the others are memory-only (their ``checkpoint-<N>/``
+    holds HF's files, its state file is the sidecar's RAM copy, resumable while a sidecar
+    holds it; multi-process runs persist every save). Counted here, per save: each
+    ``checkpoint-<N>/`` would be a series of its own to the writer's count."""
+    every: int | None = options.pop("persist_every", None)
+    if every is not None and (type(every) is not int or every < 1):
+        raise ValueError(f"persist_every must be an int >= 1 or None, got {every!r}")
+    return every
 
 
 def _stock_load(original: Callable[..., None]) -> Callable[..., None]:
