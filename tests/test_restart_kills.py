@@ -203,3 +203,37 @@ def test_a_sigkilled_service_leaves_nothing_once_its_trainer_closes(tmp_path):
                      rendezvous.socket_path(str(tmp_path), suffix=".service")):
             if path is not None and os.path.exists(path):
                 os.unlink(path)
+
+
+# -- restore from RAM: straight from the checked mapping --------------------------------
+@pytest.mark.timeout(60)
+def test_a_restore_from_ram_copies_from_the_mapping_and_the_optimizer_owns_its_state(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "opt": opt.state_dict()}
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit({"model": model, "opt": opt, "w": torch.arange(8.0)}, "s1.fdl",
+                 persist=False).result(30)
+        torch.manual_seed(1)
+        live = torch.nn.Linear(64, 64)
+        live_opt = torch.optim.AdamW(live.parameters())
+        w_live = torch.zeros(8)
+        snapsvc.restore(tmp_path / "s1.fdl", {"model": live, "opt": live_opt, "w": w_live})
+    # the RAM copy is gone with its sidecar; what was restored stays, and is the saved state
+    assert ramtier.held(tmp_path / "s1.fdl") is None
+    assert all(torch.equal(v, expected["model"][k]) for k, v in live.state_dict().items())
+    assert torch.equal(w_live, torch.arange(8.0))
+    # its own memory, not a view of the mapped RAM copy (which it would pin while it lives)
+    with open("/proc/self/maps") as f:
+        mapped = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                  for line in f if "/dev/shm/snapsvc-" in line]
+    for p, state in live_opt.state.items():
+        for key, t in state.items():
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in mapped), key
+    saved = expected["opt"]["state"]
+    assert all(torch.equal(live_opt.state_dict()["state"][i][k], saved[i][k])
+               for i in saved for k in saved[i])
