@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,33 @@ def test_a_restore_from_ram_copies_from_the_mapping_and_the_optimizer_owns_its_s
     saved = expected["opt"]["state"]
     assert all(torch.equal(live_opt.state_dict()["state"][i][k], saved[i][k])
                for i in saved for k in saved[i])
+
+
+class _Interrupting:
+    """A stateful object whose load_state_dict sends this process a SIGINT (a Ctrl-C mid-restore)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_mid_restore_lands_once_the_restore_is_whole(tmp_path):
+    """The tensor copies keep no undo copy (they cannot fail): a KeyboardInterrupt
+    between two of them would leave half a state, so it waits for the end."""
+    saved = {"obj": _Interrupting(), "a": torch.full((1 << 16,), 1.0), "b": torch.full((8,), 2.0)}
+    saved["obj"].n = 5
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(saved, "s.fdl", persist=False).result(30)
+        live = {"obj": _Interrupting(), "a": torch.zeros(1 << 16), "b": torch.zeros(8)}
+        with pytest.raises(KeyboardInterrupt):
+            snapsvc.restore(tmp_path / "s.fdl", live)
+    assert live["obj"].n == 5 and torch.equal(live["a"], saved["a"]) \
+        and torch.equal(live["b"], saved["b"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,9 +46,58 @@ def apply(plan: Plan) -> None:
     undo keeps: an optimizer's previous ``state_dict()`` (its tensors by
     reference: loading replaces them, never writes into them), a deep copy of
     every other object's state, and a CPU copy of each live tensor before it
-    is overwritten (so a restore holds up to the restored tensors' size in
-    extra host memory until it returns).
+    is overwritten when its copy could fail (a CUDA tensor, a tensor
+    subclass: up to their size in extra host memory until it returns).
+
+    The copies that cannot fail (a plain CPU tensor or parameter from a CPU
+    tensor, already checked by ``copy_problem``) come last and keep no copy:
+    a restore's biggest cost otherwise (issue 31: a copy of every byte before
+    the copy itself). SIGINT and SIGTERM wait while ``apply`` runs (main
+    thread: their handlers run there), so no KeyboardInterrupt lands between
+    two of them; one that arrived meanwhile is acted on once the restore is whole.
     """
+    held = _hold_signals()
+    try:
+        _apply(plan)
+    finally:
+        if held is not None:
+            _release_signals(*held)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _hold_signals() -> tuple[dict[int, Any], list[int]] | None:
+    """Note SIGINT and SIGTERM instead of acting on them (main thread only: their
+    handlers run there). The handlers to put back and the list that collects
+    the signals; None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    caught: list[int] = []
+    old = {}
+    for sig in _HELD:
+        handler = signal.getsignal(sig)
+        if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python
+            old[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    return old, caught
+
+
+def _release_signals(old: dict[int, Any], caught: list[int]) -> None:
+    """Put the handlers back, then act on each signal that arrived meanwhile."""
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+    for sig in dict.fromkeys(caught):
+        signal.raise_signal(sig)
+
+
+def _sure(live: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether ``live.copy_(saved)`` cannot fail: plain tensors, both on the CPU
+    (the plan's checks ruled out the rest: shape, inference, overlap, meta)."""
+    return type(live) in (torch.Tensor, nn.Parameter) and type(saved) is torch.Tensor \
+        and live.device.type == "cpu" and saved.device.type == "cpu"
+
+
+def _apply(plan: Plan) -> None:
     undo: list[tuple[str, Callable[[], Any]]] = []
     step = ""
     try:
@@ -60,8 +111,11 @@ def apply(plan: Plan) -> None:
             undo.append((step, functools.partial(module.set_extra_state,
                                                  copy.deepcopy(module.get_extra_state()))))
             module.set_extra_state(state)
+        sure = [c for c in plan.copies if _sure(c[1], c[2])]
         with torch.no_grad():
             for step, live, saved in plan.copies:
+                if _sure(live, saved):
+                    continue
                 previous = live.detach().to("cpu", copy=True)
                 # from pinned memory (read_verified(pin_memory=True)) a copy to CUDA is async DMA
                 live.copy_(saved, non_blocking=live.is_cuda)
@@ -70,6 +124,8 @@ def apply(plan: Plan) -> None:
             # Done before returning: the source may be a buffer freed with the checkpoint.
             for device in {live.device for _, live, _ in plan.copies if live.is_cuda}:
                 torch.cuda.current_stream(device).synchronize()
+            for step, live, saved in sure:  # last, nothing after them can fail
+                live.copy_(saved)
     except BaseException as e:
         if hasattr(e, "add_note"):  # 3.11+: the error keeps its type and says where
             e.add_note(f"snapsvc.restore: failed at {step!r}; every change made before it "
