@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,67 @@ def test_a_sigkilled_service_leaves_nothing_once_its_trainer_closes(tmp_path):
                      rendezvous.socket_path(str(tmp_path), suffix=".service")):
             if path is not None and os.path.exists(path):
                 os.unlink(path)
+
+
+# -- restore from RAM: straight from the checked mapping --------------------------------
+@pytest.mark.timeout(60)
+def test_a_restore_from_ram_copies_from_the_mapping_and_the_optimizer_owns_its_state(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "opt": opt.state_dict()}
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit({"model": model, "opt": opt, "w": torch.arange(8.0)}, "s1.fdl",
+                 persist=False).result(30)
+        torch.manual_seed(1)
+        live = torch.nn.Linear(64, 64)
+        live_opt = torch.optim.AdamW(live.parameters())
+        w_live = torch.zeros(8)
+        snapsvc.restore(tmp_path / "s1.fdl", {"model": live, "opt": live_opt, "w": w_live})
+    # the RAM copy is gone with its sidecar; what was restored stays, and is the saved state
+    assert ramtier.held(tmp_path / "s1.fdl") is None
+    assert all(torch.equal(v, expected["model"][k]) for k, v in live.state_dict().items())
+    assert torch.equal(w_live, torch.arange(8.0))
+    # its own memory, not a view of the mapped RAM copy (which it would pin while it lives)
+    with open("/proc/self/maps") as f:
+        mapped = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                  for line in f if "/dev/shm/snapsvc-" in line]
+    for p, state in live_opt.state.items():
+        for key, t in state.items():
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in mapped), key
+    saved = expected["opt"]["state"]
+    assert all(torch.equal(live_opt.state_dict()["state"][i][k], saved[i][k])
+               for i in saved for k in saved[i])
+
+
+class _Interrupting:
+    """A stateful object whose load_state_dict sends this process a SIGINT (a Ctrl-C mid-restore)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_mid_restore_lands_once_the_restore_is_whole(tmp_path):
+    """The tensor copies keep no undo copy (they cannot fail): a KeyboardInterrupt
+    between two of them would leave half a state, so it waits for the end."""
+    saved = {"obj": _Interrupting(), "a": torch.full((1 << 16,), 1.0), "b": torch.full((8,), 2.0)}
+    saved["obj"].n = 5
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(saved, "s.fdl", persist=False).result(30)
+        live = {"obj": _Interrupting(), "a": torch.zeros(1 << 16), "b": torch.zeros(8)}
+        with pytest.raises(KeyboardInterrupt):
+            snapsvc.restore(tmp_path / "s.fdl", live)
+    assert live["obj"].n == 5 and torch.equal(live["a"], saved["a"]) \
+        and torch.equal(live["b"], saved["b"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back

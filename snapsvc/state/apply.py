@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -48,7 +50,45 @@ def apply(plan: Plan) -> None:
     restore holds up to those tensors' size in extra host memory until it
     returns). Plain dense CPU tensors are copied last, in one call that
     cannot fail once checked, and keep no copy (:func:`_split_copies`).
+    SIGINT and SIGTERM wait while ``apply`` runs (main thread: their
+    handlers run there), so no KeyboardInterrupt lands between two copies;
+    one that arrived meanwhile is acted on once the restore is whole.
     """
+    held = _hold_signals()
+    try:
+        _apply(plan)
+    finally:
+        if held is not None:
+            _release_signals(*held)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _hold_signals() -> tuple[dict[int, Any], list[int]] | None:
+    """Note SIGINT and SIGTERM instead of acting on them (main thread only: their
+    handlers run there). The handlers to put back and the list that collects
+    the signals; None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    caught: list[int] = []
+    old = {}
+    for sig in _HELD:
+        handler = signal.getsignal(sig)
+        if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python
+            old[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    return old, caught
+
+
+def _release_signals(old: dict[int, Any], caught: list[int]) -> None:
+    """Put the handlers back, then act on each signal that arrived meanwhile."""
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+    for sig in dict.fromkeys(caught):
+        signal.raise_signal(sig)
+
+
+def _apply(plan: Plan) -> None:
     undo: list[tuple[str, Callable[[], Any]]] = []
     step = ""
     try:

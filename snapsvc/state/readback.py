@@ -8,6 +8,7 @@ fails.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping
@@ -102,11 +103,14 @@ class _Rebuild:
                                   "or param groups of parameter indices", path=self.where)
 
 
-def _read(path: str, keep_objects: bool) -> tuple[Any, Any]:
+def _read(path: str, keep_objects: bool, mapped: bool = False) -> tuple[Any, Any]:
     """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree.
-    A model checkpoint reads as the state ``{"model": model, "optimizer": opt}``."""
+    A model checkpoint reads as the state ``{"model": model, "optimizer": opt}``.
+    ``mapped``: the checkpoint file's tensors are views of one checked mapping
+    of it (:func:`~snapsvc.files.checkpoint.read_verified`'s ``shared_buffer``),
+    to be copied out, not kept."""
     meta = read_meta(path)
-    entries = read_with_data(path, meta).entries
+    entries = read_with_data(path, meta, shared_buffer=mapped).entries
     if meta.state is None:
         return meta, _model_form(path, meta, entries, keep_objects)
     rebuild = _Rebuild(entries, path, keep_objects)
@@ -299,16 +303,38 @@ def restore_state(path: str | os.PathLike[str], target: Mapping, *,
                   strict: bool = False) -> LoadReport:
     """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`)."""
     path = os.fspath(path)
-    meta, saved = _read(path, keep_objects=True)
-    return restore_tree(path, meta, saved, target, strict=strict)
+    # Mapped: a tensor target is copied straight from the checked mapping of the file
+    # (a RAM-tier copy in /dev/shm, or a file in the page cache), with no buffer between.
+    meta, saved = _read(path, keep_objects=True, mapped=True)
+    return restore_tree(path, meta, saved, target, strict=strict, mapped=True)
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with each tensor in it cloned (containers keep their class)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # Counter, OrderedDict, a defaultdict's factory
+        for k, v in value.items():
+            out[k] = _owned(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
 
 
 def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
-                 strict: bool = False) -> LoadReport:
+                 strict: bool = False, mapped: bool = False) -> LoadReport:
     """Restore ``saved`` (a tree rebuilt with its tensors, objects kept) into
-    ``target``: everything checked, then applied. ``path`` names it in errors."""
+    ``target``: everything checked, then applied. ``path`` names it in errors.
+    ``mapped``: ``saved``'s tensors are views of a mapping; what an object's
+    ``load_state_dict`` or ``set_extra_state`` takes is cloned first (an
+    optimizer keeps the tensors it is given: they must not pin the mapping)."""
     m = _Matcher(path)
     m.mapping(target, saved, ())
+    if mapped:
+        m.plan.loads = [(n, obj, _owned(sd)) for n, obj, sd in m.plan.loads]
+        m.plan.extras = [(n, mod, _owned(state)) for n, mod, state in m.plan.extras]
     report = m.plan.report
     if strict and (report.skipped or report.missing):
         raise StrictLoadError(
