@@ -3,6 +3,7 @@ against DCP's ``async_save`` (PROCESS checkpointer, reused DefaultStager), one r
 
     python benchmarks/dist_stall.py                         # world 2, 64M and small
     python benchmarks/dist_stall.py --world 2 --reps 10 --json out.json
+    python benchmarks/dist_stall.py --methods snapsvc snapsvc+r1 --models 64M  # replicas
 
 Each rank is a spawned process on gloo (CPU) holding its own model of the
 named shape (``<N>M``: N MiB of 16 MiB float32 tensors; ``small``: 4096
@@ -38,7 +39,14 @@ the call to the checkpoint being complete on every rank: snapsvc's handle
 result (manifest committed), DCP's upload future (``.metadata`` renamed) plus
 an fsync of the checkpoint directory and its parent, which DCP leaves out.
 Both are waited for outside the timed region, so no save ever waits for a
-previous one. Older checkpoints are deleted between reps (untimed).
+previous one.
+
+* ``snapsvc+r1``: as ``snapsvc`` with ``replicas=1`` (each rank its own
+  ``SNAPSVC_NODE``, so rank r's copy goes to rank r+1): ``durable`` also waits
+  for ``handle.replicated()``. Beside the table, the replication pass's
+  throughput (every rank's file to its peer, over the writer's gloo group,
+  from ``stats()``) against a raw gloo send of the same bytes in the same
+  pattern (a size message then the payload, rank by rank round the ring). Older checkpoints are deleted between reps (untimed).
 """
 
 from __future__ import annotations
@@ -131,9 +139,11 @@ def _touch(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
 class Snapsvc:
     name = "snapsvc"
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, replicas: int = 0) -> None:
         self.dir = directory
-        self.w = snapsvc.DistributedSnapshotWriter(directory, coord_timeout=WAIT_S, slots=2)
+        self.name = "snapsvc" if not replicas else f"snapsvc+r{replicas}"
+        self.w = snapsvc.DistributedSnapshotWriter(directory, coord_timeout=WAIT_S, slots=2,
+                                                   replicas=replicas)
         self.w.start()
         self.step = 0
         self.handle = None
@@ -145,6 +155,7 @@ class Snapsvc:
 
     def wait_durable(self) -> None:
         self.handle.result(timeout=WAIT_S)
+        self.handle.replicated(timeout=WAIT_S)
 
     def prune(self, rank: int) -> None:
         if rank == 0:
@@ -212,9 +223,36 @@ def _stop_dcp_process() -> None:
     peers._stop_checkpoint_process(ape)
 
 
+def raw_ring(nbytes: int, rank: int, world: int) -> float:
+    """Seconds for every rank's ``nbytes`` sent to the next rank over gloo, one
+    after another, as the replication pass sends them (a size, then the bytes)."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    n = torch.tensor([nbytes], dtype=torch.int64)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for origin in range(world):
+        peer = (origin + 1) % world
+        if rank == origin:
+            dist.send(n, peer)
+            dist.send(buf, peer)
+        elif rank == peer:
+            dist.recv(n, origin)
+            dist.recv(buf, origin)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def make(method: str, d: str) -> "Snapsvc | Dcp":
+    if method == "dcp":
+        return Dcp(os.path.join(d, "dcp"))
+    replicas = int(method.partition("+r")[2] or 0)
+    return Snapsvc(os.path.join(d, method.replace("+", "_")), replicas)
+
+
 def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], reps: int,
-              threads: int) -> None:
+              threads: int, method_names: list[str]) -> None:
     torch.set_num_threads(threads)
+    os.environ["SNAPSVC_NODE"] = f"node{rank}"   # replicas go to other "nodes"
     out: dict = {"rank": rank, "models": {}}
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -223,7 +261,7 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
             model, opt = build(spec, 1000 + rank)
             nbytes = sum(t.numel() * t.element_size() for t in tensors(model, opt))
             d = os.path.join(base, spec)
-            methods = [Snapsvc(os.path.join(d, "snapsvc")), Dcp(os.path.join(d, "dcp"))]
+            methods = [make(name, d) for name in method_names]
             rec = {m.name: {"stall_s": [], "durable_s": [], "raw_s": []} for m in methods}
             raw = RawCopy()
             for rep in range(reps + 1):        # rep 0: warm-up, not recorded
@@ -246,11 +284,19 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                         rec[m.name]["raw_s"].append(raw.times[-1])
                     dist.barrier()             # every rank done before rank 0 prunes
                     m.prune(rank)
+            replication = {}
+            for m in methods:
+                if isinstance(m, Snapsvc) and m.w.replicas:
+                    st = m.w.stats()
+                    per = st["replica_bytes"] // max(1, st["replicated"])
+                    replication = {"bytes": per, "pass_s": st["replica_s"] / st["replicated"],
+                                   "raw_s": statistics.median(raw_ring(per, rank, world)
+                                                              for _ in range(3))}
             for m in methods:
                 m.close()
             _stop_dcp_process()                # the next model gets a fresh one
             out["models"][spec] = {"bytes": nbytes, "tensors": len(tensors(model, opt)),
-                                   **rec}
+                                   "replication": replication, **rec}
             dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -272,7 +318,8 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
               "| raw p50 ms | stall/raw | durable p50 s | durable max s |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for spec in specs:
-        for method in ("snapsvc", "dcp"):
+        for method in [k for k in results[0]["models"][spec]
+                       if k not in ("bytes", "tensors", "replication")]:
             for res in results:
                 r = res["models"][spec][method]
                 mb = res["models"][spec]["bytes"] / (1 << 20)
@@ -284,6 +331,16 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
                     f"| {statistics.median(r['raw_s']) * 1e3:.1f} "
                     f"| {statistics.median(a / b for a, b in zip(r['stall_s'], r['raw_s'])):.2f} "
                     f"| {statistics.median(r['durable_s']):.2f} | {max(r['durable_s']):.2f} |")
+    for spec in specs:
+        for res in results:
+            rep = res["models"][spec].get("replication")
+            if rep:
+                mib = rep["bytes"] * world / (1 << 20)
+                lines.append(f"\n{spec} rank {res['rank']}: replication pass {mib:.0f} MiB in "
+                             f"{rep['pass_s'] * 1e3:.0f} ms ({mib / rep['pass_s']:.0f} MiB/s), "
+                             f"raw gloo send of the same bytes {rep['raw_s'] * 1e3:.0f} ms "
+                             f"({mib / rep['raw_s']:.0f} MiB/s): "
+                             f"{rep['pass_s'] / rep['raw_s']:.2f}x")
     return "\n".join(lines)
 
 
@@ -292,6 +349,8 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=["64M", "small", "fsdp256M"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--methods", nargs="+", default=["snapsvc", "dcp"],
+                    help="snapsvc, snapsvc+r1 (replicas=1), dcp")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="whole run, seconds")
@@ -302,7 +361,8 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     init = f"file://{base}/rendezvous"
     procs = [ctx.Process(target=rank_main, name=f"rank{r}",
-                         args=(r, args.world, init, base, args.models, args.reps, threads))
+                         args=(r, args.world, init, base, args.models, args.reps, threads,
+                               args.methods))
              for r in range(args.world)]
     for p in procs:
         p.start()

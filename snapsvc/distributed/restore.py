@@ -28,7 +28,7 @@ from .coord import _rank_and_world
 from .manifest import _committed
 from .shards import _dtensor_type, _is_dtensor
 from .pieces import _PieceReader, _globals, _region, _user_extra
-from .ramsteps import _manifest, ram_step
+from .replicas.ramsteps import _manifest, ram_step
 from .tier import LocalStep, open_step
 from ..remote.store import is_url
 

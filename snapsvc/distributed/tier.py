@@ -37,7 +37,7 @@ from ..remote.url import as_oserror
 from .manifest import MANIFEST_NAME, Manifest, RankFile, _committed, _latest_local, _missing, \
     parse_manifest, read_manifest, step_number
 from .pieces import _Global, _Piece, _PieceReader, _sizes
-from .ramsteps import ram_latest
+from .replicas.ramsteps import ram_latest
 
 __all__ = ["latest_checkpoint", "open_step", "LocalStep", "RemoteStep", "RemotePieces",
            "remote_complete_steps", "listed_steps"]

@@ -107,14 +107,9 @@ class DistributedSnapshotWriter:
     complete locally but not remotely (a crash, an outage) are uploaded the
     same way, newest first; their outcomes are logged.
 
-    ``replicas=k``: each rank's snapshot of each step is also held in the RAM of
-    ``k`` ranks on other nodes (:mod:`.replicas`; ``handle.replicated()``), sent
-    over a gloo group of the writer's own after the step is committed.
-    ``persist_every=K``: the K-th, 2K-th, ... submit is written to disk, the
-    others are memory-only (``submit(..., persist=False)`` makes one so);
-    ``linger``: seconds a sidecar whose trainer died keeps its RAM copies for
-    the next trainer of this rank (as for :class:`SnapshotWriter`).
-    See docs/distributed.md, "Peer replicas".
+    ``replicas=k``: each rank's snapshot also in the RAM of k ranks on other nodes
+    (``handle.replicated()``); ``persist_every``, ``linger``: as for SnapshotWriter,
+    per rank. See docs/distributed.md, "Peer replicas".
 
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
@@ -190,13 +185,9 @@ class DistributedSnapshotWriter:
                                     keep_last=remote_keep_last,
                                     upload=self._writer._upload_durable,
                                     group_timeout=group_timeout)
-        self._replicator: Replicator | None = None
-        if self.replicas:
-            self._replica_group = _new_group(process_group, self.coord_timeout)
-            self._replicator = Replicator(self.directory, self._replica_group, self.rank,
-                                          self.world_size, self.replicas, node_id(),
-                                          self.coord_timeout)
-        replicator = self._replicator
+        self._replicator = replicator = None if not self.replicas else Replicator(
+            self.directory, _new_group(process_group, self.coord_timeout), self.rank,
+            self.world_size, self.replicas, node_id(), self.coord_timeout)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
                                   on_commit=None if self._uploads is None else self._uploads.add,
@@ -260,10 +251,8 @@ class DistributedSnapshotWriter:
         groups: list[Any] = []
         ended = self._coord.stop(timeout)
         if self._replicator is not None:   # the queued steps replicate before the sidecar goes
-            left = None if deadline is None else max(0.1, deadline - time.monotonic())
-            if self._replicator.stop(left) and ended:
-                self._replicator.drop_all()   # a clean close: the replicas held here go
-                groups.append(self._replica_group)
+            groups += self._replicator.close(None if deadline is None else max(
+                0.1, deadline - time.monotonic()), ended)
         if self._uploads is not None:   # an earlier run's steps reach the sidecar first
             self._uploads.handed_over(None if deadline is None
                                       else max(0.1, deadline - time.monotonic()))

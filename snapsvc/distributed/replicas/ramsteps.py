@@ -28,13 +28,13 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from ..errors import SnapsvcError
-from ..files.metafile import checkpoint_names
-from ..files.ramtier import held
-from .coord import _all_gather_msg, _new_group
-from .manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, read_manifest, \
+from ...errors import SnapsvcError
+from ...files.metafile import checkpoint_names
+from ...files.ramtier import held
+from ..coord import _all_gather_msg, _new_group
+from ..manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, read_manifest, \
     step_dir, step_number
-from .replicas import held_by, recv_files, send_files, store_files, verified
+from .send import held_by, recv_files, send_files, store_files, verified
 
 __all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT"]
 

@@ -38,13 +38,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import SnapsvcError
-from ..files.metafile import checkpoint_names, meta_path
-from ..files.ramtier import drop, held, ram_path
-from ..files.verify import verify
-from ..format.protocol import pack_value, unpack_value
-from .coord import _reason
-from .manifest import step_dir, step_number
+from ...errors import SnapsvcError
+from ...files.metafile import checkpoint_names, meta_path
+from ...files.ramtier import drop, held, ram_path
+from ...files.verify import verify
+from ...format.protocol import pack_value, unpack_value
+from ..coord import _reason
+from ..manifest import step_dir, step_number
 
 __all__ = ["node_id", "place_replicas", "replica_file", "Replicator", "NODE_ENV"]
 
@@ -191,7 +191,7 @@ class Replicator:
 
     def __init__(self, directory: str, group: Any, rank: int, world_size: int, replicas: int,
                  node: str, timeout: float) -> None:
-        from .coord import _all_gather_msg
+        from ..coord import _all_gather_msg
         self.directory = directory
         self.group = group
         self.rank = rank
@@ -239,6 +239,15 @@ class Replicator:
             self.thread.join(timeout)
             return not self.thread.is_alive()
         return True
+
+    def close(self, timeout: float | None, ended: bool) -> list[Any]:
+        """The writer's close: queued steps replicate (bounded); on a clean close
+        (``ended``: every exchange done) the replicas held here go. The group to
+        destroy, if it may be."""
+        if self.stop(timeout) and ended:
+            self.drop_all()
+            return [self.group]
+        return []
 
     def drop_all(self) -> None:
         """A clean close: every replica this rank holds goes."""
