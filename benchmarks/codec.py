@@ -21,7 +21,8 @@ MiB, plus a few small bias/BatchNorm tensors), measured side by side:
   ``torch.empty`` (what any reader of the file pays, page faults included)
   and into one buffer allocated and touched before the rounds (the copy out
   of the page cache alone: the floor of any read).
-  The model and the page cache are warm. The operations run round-robin,
+  The goal lines of issue 34 follow the table, each with its ratio from
+  this run. The model and the page cache are warm. The operations run round-robin,
   --restore-repeat rounds after one warm-up round, so drifting load on a
   shared machine hits them alike; the table gives medians and ratios.
   ``--compare-with DIR`` also times ``restore`` of the snapsvc package in
@@ -366,6 +367,24 @@ def bench_levels(tensors: Tensors, repeat: int) -> list[CodecRow]:
             for name, t in buffers.items() for codec, comp, decomp in codecs]
 
 
+# issue 34: a verified restore within 1.25x the copy out of the page cache
+# alone, and at most half of torch.load + load_state_dict
+GOALS = (("x reuse", "vs_raw_reused", 1.25), ("x torch", "vs_torch", 0.5))
+
+
+def restore_goals(restores: list[RestoreRow]) -> list[str]:
+    """The goal lines of the plain ``.fdl`` restore, each with its ratio from this run."""
+    row = next((r for r in restores if r.op == "snapsvc.restore .fdl"), None)
+    if row is None:
+        return []
+    lines = ["goals (snapsvc.restore .fdl, medians of this run):"]
+    for label, attr, limit in GOALS:
+        value = getattr(row, attr)
+        lines.append(f"  restore {label}: {value:.2f} (target <= {limit}) "
+                     f"{'PASS' if value <= limit else 'FAIL'}")
+    return lines
+
+
 def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[CodecRow],
                  header: list[str]) -> None:
     print("\n".join(header))
@@ -388,6 +407,7 @@ def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[
             print(f"{r.op:<31} {t.median_s * 1e3:>7.1f} {t.min_s * 1e3:>7.1f}"
                   f" {r.cpu_median_s * 1e3:>7.1f} {r.vs_raw:>6.2f} {r.vs_raw_reused:>7.2f}"
                   f" {r.vs_torch:>7.2f} {r.cpu_vs_raw:>9.2f} {r.cpu_vs_torch:>11.2f}")
+        print("\n".join(restore_goals(restores)))
     if not codecs:
         return
     print("\ngzip levels in memory (MB/s of uncompressed data)")

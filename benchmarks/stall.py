@@ -55,6 +55,7 @@ torch before READY).
     python benchmarks/stall.py                      # the default models, every method
     python benchmarks/stall.py --models 64M small --reps 20 --json out.json --plot out.png
     python benchmarks/stall.py --device cuda --dtype bfloat16 --models 1G   # on a GPU
+    python benchmarks/stall.py --profile    # the demo's small submit, microsecond by microsecond
 
 Models: ``<N>M`` / ``<N>G`` are N MiB / GiB of 16 MiB tensors; ``<count>x<size>``
 is count tensors of size bytes (``K``/``M`` suffixes: ``64x4M``); ``tiny`` is
@@ -670,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
     ap.add_argument("--note", default="", help="a line printed under the header (e.g. the load)")
     ap.add_argument("--worker-timeout", type=float, default=300.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="only profile the snapsvc demo's submit (model + Adam): stall, raw "
+                    "copy, the goal line and microseconds per function (submit_profile.py)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
@@ -677,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
+        return 0
+    if args.profile:
+        from submit_profile import profile_submit
+        print("\n".join(profile_submit()))
         return 0
     args.dir = os.path.abspath(args.dir or ".")
     started = time.perf_counter()

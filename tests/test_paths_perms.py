@@ -45,6 +45,42 @@ def mode(path: str | os.PathLike[str]) -> int:
 # ----------------------------------------------------------------------------------
 # permissions
 # ----------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.timeout(30)  # it forks
+def test_the_umask_read_follows_a_change_a_fork_and_a_closed_file():
+    """The umask is read from a status file kept open (issue 34): it still
+    follows os.umask, a forked child reads its own process, and a file
+    descriptor closed under it is opened again."""
+    from snapsvc.files import durable
+    old = os.umask(0o022)
+    try:
+        assert durable.current_umask() == 0o022
+        os.umask(0o027)
+        assert durable.current_umask() == 0o027
+        os.close(durable._status[0])  # as a daemonizing library closes every fd
+        assert durable.current_umask() == 0o027
+        other = os.open(os.devnull, os.O_RDONLY)  # a file now where our descriptor was
+        try:
+            durable._status = (other, *durable._status[1:])
+            assert durable.current_umask() == 0o027
+            assert os.fstat(other)  # told apart, and left open: not ours
+        finally:
+            os.close(other)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own umask, through its own status file
+            os.umask(0o077)
+            os.write(write, b"%o" % durable.current_umask())
+            os._exit(0)
+        os.close(write)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert os.read(read, 16) == b"77"
+        os.close(read)
+        assert durable.current_umask() == 0o027  # the parent's, unchanged by the child
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leaks")
 @pytest.mark.parametrize("umask, want", [(0o022, 0o644), (0o077, 0o600), (0o027, 0o640)])

@@ -10,6 +10,7 @@ passes is one that can be written and read back.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import EncodeError, PathError
-from ..files.checkpoint import layout_hash, persistent_buffers
+from ..files.checkpoint import layout_rows_hash, persistent_buffers
 from ..files.durable import check_final_name
 from ..files.meta import meta_path, optim_path
 from ..format import datafile, fdl, kinds, protocol
@@ -66,9 +67,6 @@ def _entries(params: Sequence[tuple[str, torch.Tensor]],
         fdl.check_entries(list(optim))
     pairs = [*model_pairs, *optim]
     pin = torch.cuda.is_available() and any(t.is_cuda for _, t in pairs)
-    h = layout_hash(params, buffers) if structural_hash is None else structural_hash
-    # the hash too: a model's tensors .fdl cannot hold (a bool buffer) count in
-    # its hash, so two models may share every entry and differ in the header
     names = tuple(n for n, _ in pairs)
     if geometry is not None and not optim:   # the walk's, of these entries
         geo = tuple(geometry[0] + geometry[1] + geometry[2])
@@ -76,8 +74,22 @@ def _entries(params: Sequence[tuple[str, torch.Tensor]],
         kinds = [*(PARAM for _ in params), *(BUFFER for _ in buffers),
                  *(k for k, _, _ in state), *(OPTIM for _ in optim)]
         geo = tuple((k, t.shape, t.dtype) for k, (_, t) in zip(kinds, pairs))
+    # the hash too: a model's tensors .fdl cannot hold (a bool buffer) count in
+    # its hash, so two models may share every entry and differ in the header
+    n = len(params) + len(buffers)
+    h = _hash_of(names[:n], geo[:n], len(params)) if structural_hash is None else structural_hash
     key = (pin, names, geo, h)
     return Request([t for _, t in pairs], key, lambda: Layout.placed(names, geo, h), pin)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_of(names: tuple[str, ...], geo: tuple[tuple[str, torch.Size, torch.dtype], ...],
+             n_params: int) -> str:
+    """``layout_hash`` of the first ``n_params`` entries as params and the rest as
+    buffers, from their names and geometry: all it reads, so a submit of the
+    same layout (every submit with an optimizer) hashes it once (issue 34)."""
+    return layout_rows_hash((PARAM if i < n_params else BUFFER, name, dtype, tuple(shape))
+                            for i, (name, (_, shape, dtype)) in enumerate(zip(names, geo)))
 
 
 def request(obj: Any, optimizer: torch.optim.Optimizer | None, extra: Any,

@@ -46,6 +46,7 @@ __all__ = [
     "plan_load",
     "structural_hash",
     "layout_hash",
+    "layout_rows_hash",
     "model_tensors",
     "persistent_buffers",
     "stage_checkpoint_file",
@@ -92,12 +93,19 @@ def structural_hash(model: nn.Module) -> str:
 def layout_hash(params: Iterable[tuple[str, torch.Tensor]],
                 buffers: Iterable[tuple[str, torch.Tensor]]) -> str:
     """:func:`structural_hash` of explicit (name, tensor) pairs."""
+    return layout_rows_hash(
+        (kind, name, t.dtype, tuple(t.shape))
+        for kind, pairs in (("param", params), ("buffer", buffers)) for name, t in pairs)
+
+
+def layout_rows_hash(rows: Iterable[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> str:
+    """:func:`structural_hash` of (``"param"`` or ``"buffer"``, name, dtype,
+    shape) rows, in file order: what a caller that has them without the
+    tensors (a cached layout) hashes."""
     h = hashlib.sha256(b"snapsvc-structural-hash-v1\n")
-    for kind, pairs in (("param", params), ("buffer", buffers)):
-        for name, t in pairs:
-            dtype = str(t.dtype).removeprefix("torch.")
-            shape = ",".join(str(d) for d in t.shape)
-            h.update(f"{kind}\t{name}\t{dtype}\t{shape}\n".encode("utf-8"))
+    for kind, name, dtype, shape in rows:
+        h.update(f"{kind}\t{name}\t{str(dtype).removeprefix('torch.')}\t"
+                 f"{','.join(map(str, shape))}\n".encode("utf-8"))
     return h.hexdigest()
 
 

@@ -197,17 +197,58 @@ def current_umask() -> int:
     """This process's umask, read without changing it where Linux allows
     (``/proc/self/status``, since 4.7): ``os.umask`` can only be read by
     setting it, which races with any other thread creating a file. The
-    sidecar writes each file under the umask its submit saw."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
+    sidecar writes each file under the umask its submit saw.
+
+    The status file stays open and is read again from its start at each
+    call: the kernel writes it anew for every read, so a changed umask
+    shows, at ~0.7x the cost of opening it each time (issue 34). A forked
+    child opens its own; a descriptor closed (and perhaps reused) under us
+    is told by its identity, left alone, and replaced.
+    """
+    global _status, _no_umask_line
+    for _ in range(2):
+        if _no_umask_line:
+            break
+        try:
+            if _status is None:
+                fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+                st = os.fstat(fd)
+                _status = (fd, st.st_dev, st.st_ino)
+            fd, dev, ino = _status
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise OSError("another file now")
+            data = os.pread(fd, 4096, 0)
+        except OSError:  # not Linux, or our descriptor was closed: not ours to close
+            _status = None
+            continue
+        at = data.find(b"\nUmask:")
+        if at >= 0:
+            return int(data[at + 7:data.index(b"\n", at + 1)], 8)
+        os.close(fd)  # a kernel before 4.7: no Umask line
+        _status, _no_umask_line = None, True
     mask = os.umask(0o022)  # the racy way, where there is no other
     os.umask(mask)
     return mask
+
+
+_status: tuple[int, int, int] | None = None  # (descriptor, device, inode) of /proc/self/status
+_no_umask_line = False  # before Linux 4.7
+
+
+def _forget_status() -> None:
+    """In a forked child: its /proc/self is another process; close the parent's copy."""
+    global _status
+    if _status is not None:
+        try:
+            os.close(_status[0])
+        except OSError:
+            pass
+    _status = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_status)
 
 
 def _create_temp(path: str) -> tuple[int, str]:
