@@ -1,24 +1,36 @@
-"""Restart from a SIGKILLed trainer: the RAM tier against disk and a raw copy (issue 31).
+"""Restart from a SIGKILLed trainer: the RAM tier against disk, remote and a raw copy (issue 31).
 
-A trainer process fills a model-sized state (one float32 tensor of ``--mib``
-MiB plus a step counter), submits it with ``linger``, once persisted and once
-memory-only, and SIGKILLs itself. Then, for each source, a fresh process
-imports snapsvc (timed apart), restores the state into a preallocated tensor and
-checks it bit-exact:
+A trainer process holds a whole training state (a model of ``--mib`` MiB of
+float32 parameters, AdamW after one step, so twice that again in its state,
+a StepLR scheduler, the torch RNG, a loader position), submits it once
+persisted (uploaded to moto's S3 server on loopback) and once memory-only
+with ``linger``, saves the same state with stock ``torch.save`` as the
+reference, and SIGKILLs itself. Then, for each source, a fresh process
+builds the same objects and restores the state into them; the time from its
+spawn to holding the state is split into process start + imports, building
+the objects, and the restore; the state is then checked bit-exact (model,
+optimizer, scheduler, RNG, loader position) against the reference:
 
-- ram:        the memory-only snapshot, held by the lingering sidecar
+- ram:        the memory-only snapshot, held by the sidecar lingering after the kill
 - warm disk:  the persisted snapshot, page cache warm
 - cold disk:  the same after posix_fadvise(POSIX_FADV_DONTNEED) on its files
-- memcpy:     a raw copy of the same bytes from an in-memory tensor: the floor
+- remote:     the uploaded copy, from moto on loopback (``snapsvc.restore("s3://...")``)
+- memcpy:     a raw copy of the same tensors from memory into the same objects' tensors: the floor
 
-Run: python benchmarks/restart.py --mib 64 --rounds 1 [--out FILE]
-Not measured here (issue 31 asks for them): AdamW/scheduler/RNG/loader state,
-512 MiB, the remote tier (moto).
+Also, in the trainer: the stall (``submit()``'s return) of a memory-only
+snapshot against a persisted one; and, with a small state, the bytes written
+per 100 submits with ``persist_every=10`` against every submit persisted, and
+the lost work: a trainer SIGKILLed at step N resumes from the newest submitted
+step, not the newest persisted one.
+
+Run: python benchmarks/restart.py --quick [--out FILE]      (64 MiB)
+     python benchmarks/restart.py --mib 64 512 [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -26,106 +38,227 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # a checkout
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-TRAINER = """
-import os, signal, sys, torch, snapsvc
-d, mib = sys.argv[1], int(sys.argv[2])
-w = snapsvc.SnapshotWriter(d, linger=120)
-state = {"w": torch.arange(mib << 18, dtype=torch.float32), "step": 7}
-w.submit(state, "disk7.fdl").result()
-w.submit(state, "ram7.fdl", persist=False).result()
-print(w.pid, flush=True)
+COMMON = """
+import torch
+from torch import nn
+
+def objects(mib, init=True):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False, device=None if init else "meta")
+                            for _ in range(max(mib // 4, 1))])
+    if not init:   # a reader: the restore sets every value; its memory faulted in, as a trainer's
+        model.to_empty(device="cpu").requires_grad_(True)
+        for p in model.parameters():
+            p.data.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    return {"model": model, "opt": opt, "sched": sched,
+            "rng": {"torch": torch.get_rng_state()}, "loader": {"pos": 0}}
+
+def step(s):
+    x = torch.randn(8, 1024)
+    s["model"](x).square().mean().backward()
+    s["opt"].step()
+    s["opt"].zero_grad(set_to_none=True)
+    s["sched"].step()
+    s["loader"]["pos"] += 1
+    s["rng"]["torch"] = torch.get_rng_state()
+
+def plain(s):
+    return {"model": s["model"].state_dict(), "opt": s["opt"].state_dict(),
+            "sched": s["sched"].state_dict(), "rng": torch.get_rng_state(),
+            "pos": s["loader"]["pos"]}
+"""
+
+TRAINER = COMMON + """
+import os, signal, sys, time, json, statistics, snapsvc
+d, mib, remote = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = objects(mib)
+step(s)
+w = snapsvc.SnapshotWriter(d, linger=300, remote=remote, slots=2)
+w.submit(s, "warm.fdl", persist=False).result(600)     # the sidecar is up, the slots are made
+stalls = {"persisted": [], "memory-only": []}
+for i in range(4):   # alternating, each waited for: no queueing in the figure
+    for label, persist in (("persisted", True), ("memory-only", False)):
+        t0 = time.perf_counter()
+        h = w.submit(s, f"stall{label[0]}{i}.fdl", persist=persist)
+        stalls[label].append(time.perf_counter() - t0)
+        h.result(600)
+torch.save(plain(s), os.path.join(d, "reference.pt"))
+w.submit(s, "disk1.fdl").uploaded(600)
+w.submit(s, "ram1.fdl", persist=False).result(600)
+print(json.dumps({k: statistics.median(v) for k, v in stalls.items()}), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 READER = """
-import sys, time
-t0 = time.perf_counter()
-import torch, snapsvc
-t1 = time.perf_counter()
-path, mib, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-target = {"w": torch.empty(mib << 18, dtype=torch.float32), "step": 0}
-expected = torch.arange(mib << 18, dtype=torch.float32)
-t2 = time.perf_counter()
+import time, sys
+t0 = time.time()
+""" + COMMON + """
+import json, os, snapsvc
+from bitwise import assert_bit_identical
+t1 = time.time()
+path, mib, how, ref = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+s = objects(mib, init=False)
+if how == "memcpy":   # the same bytes into tensors faulted in: the model's, AdamW's to be
+    expected = torch.load(ref, weights_only=True)
+    src = list(expected["model"].values()) + [t for st in expected["opt"]["state"].values()
+                                             for t in st.values() if t.dim()]
+    dst = list(s["model"].state_dict().values()) + [torch.zeros_like(t) for t in src[len(
+        expected["model"]):]]
+t2 = time.time()
 if how == "memcpy":
-    target["w"].copy_(expected)
+    torch._foreach_copy_(dst, src)
 else:
-    snapsvc.restore(path, target)
-t3 = time.perf_counter()
-assert torch.equal(target["w"], expected), "not bit-exact"
-print(f"{t1 - t0:.4f} {t3 - t2:.4f}")
+    report = snapsvc.restore(path, s)
+    s["loader"]["pos"] = report.state["loader"]["pos"]
+    torch.set_rng_state(s["rng"]["torch"])
+t3 = time.time()
+if how != "memcpy":
+    assert_bit_identical(plain(s), torch.load(ref, weights_only=True), "state")
+print(json.dumps({"start": t0, "imports": t1, "built": t2, "restored": t3}))
+"""
+
+SMALL = COMMON + """
+import os, signal, sys, json, snapsvc
+d, n, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = objects(4)
+step(s)
+w = snapsvc.SnapshotWriter(d, linger=300, persist_every=every or None)
+written = 0
+for i in range(1, n + 1):
+    step(s)
+    written += w.submit(s, f"step{i}.fdl").result(600).bytes
+print(json.dumps({"bytes": written, "steps": n}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _evict(path: str) -> None:
-    for name in (path, path + ".meta"):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def _evict(directory: str, name: str) -> None:
+    for f in os.listdir(directory):
+        if f.startswith(name):
+            fd = os.open(os.path.join(directory, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
-def _run(path: str, mib: int, how: str) -> tuple[float, float, float]:
-    started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", READER, path, str(mib), how], check=True,
-                         capture_output=True, text=True, timeout=300).stdout.split()
-    return float(out[0]), float(out[1]), time.perf_counter() - started
+def _killed(code: str, *args: str) -> dict:
+    """Run a trainer that SIGKILLs itself; its last JSON line."""
+    with tempfile.TemporaryFile("w+") as out:   # a file: the lingering sidecar inherits it
+        rc = subprocess.run([sys.executable, "-c", code, *args], stdout=out,
+                            stderr=subprocess.DEVNULL, cwd=ROOT, timeout=900).returncode
+        out.seek(0)
+        assert rc == -signal.SIGKILL, rc
+        return json.loads(out.read().splitlines()[-1])
+
+
+def _read(path: str, mib: int, how: str, ref: str) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    spawn = time.time()
+    out = subprocess.run([sys.executable, "-c", READER, path, str(mib), how, ref], check=True,
+                         capture_output=True, text=True, timeout=900, env=env).stdout
+    t = json.loads(out.splitlines()[-1])
+    return {"start+imports": t["imports"] - spawn, "build": t["built"] - t["imports"],
+            "restore": t["restored"] - t["built"], "total": t["restored"] - spawn}
+
+
+def _release(d: str) -> None:
+    """Attach to the lingering sidecar and close: its RAM copies go."""
+    import snapsvc
+    with snapsvc.SnapshotWriter(d) as w:
+        w.start()
+
+
+def run_size(mib: int, url: str, base: str) -> list[str]:
+    d = os.path.join(base, f"m{mib}")
+    stalls = _killed(TRAINER, d, str(mib), f"{url}/m{mib}")
+    ref = os.path.join(d, "reference.pt")
+    state_mib = os.path.getsize(os.path.join(d, "disk1.fdl")) / 2**20
+    lines = [f"\n{mib} MiB of parameters ({state_mib:.0f} MiB in the checkpoint file with AdamW's "
+             "state); seconds from the new process's spawn:",
+             f"{'source':<10} {'start+imports':>13} {'build':>7} {'restore':>8} {'total':>7} "
+             f"{'restore/memcpy':>14}"]
+    try:
+        rows = [("ram", os.path.join(d, "ram1.fdl")), ("warm disk", os.path.join(d, "disk1.fdl")),
+                ("cold disk", os.path.join(d, "disk1.fdl")), ("remote", f"{url}/m{mib}/disk1.fdl"),
+                ("memcpy", "")]
+        # the page cache is warm: the trainer has just written the file
+        results = {}
+        for name, path in rows:
+            if name == "cold disk":
+                _evict(d, "disk1.fdl")
+            results[name] = _read(path, mib, "memcpy" if name == "memcpy" else "restore", ref)
+            print(f"{mib} MiB {name}: {results[name]}", file=sys.stderr, flush=True)
+        floor = results["memcpy"]["restore"]
+        for name, r in results.items():
+            lines.append(f"{name:<10} {r['start+imports']:>13.2f} {r['build']:>7.2f} "
+                         f"{r['restore']:>8.3f} {r['total']:>7.2f} {r['restore'] / floor:>13.1f}x")
+        p, m = stalls["persisted"], stalls["memory-only"]
+        lines.append(f"stall (submit p50 of 4): persisted {p * 1e3:.1f} ms, memory-only "
+                     f"{m * 1e3:.1f} ms ({m / p:.2f}x)")
+    finally:
+        _release(d)
+    return lines
+
+
+def small_runs(base: str) -> list[str]:
+    import snapsvc
+    lines = ["\n4 MiB model + AdamW, 100 submits:"]
+    got = {}
+    for every in (0, 10):
+        d = os.path.join(base, f"small{every}")
+        got[every] = _killed(SMALL, d, "103" if every else "100", str(every))
+        if every:
+            newest, on_disk = snapsvc.latest(d), max(
+                int(f[4:-4]) for f in os.listdir(d) if f.endswith(".fdl"))
+            pos = snapsvc.load(newest)["loader"]["pos"]
+        _release(d)
+    per = {e: got[e]["bytes"] * 100 // got[e]["steps"] for e in got}
+    lines.append(f"bytes written per 100 submits: every one persisted {per[0] / 2**20:.1f} MiB, "
+                 f"persist_every=10 {per[10] / 2**20:.1f} MiB")
+    lines.append(f"lost work: SIGKILLed after submitting step 103 with persist_every=10: the newest "
+                 f"on disk is step {on_disk}; snapsvc.latest gives {os.path.basename(newest)} "
+                 f"(loader position {pos}, from RAM): {103 - int(os.path.basename(newest)[4:-4])} "
+                 f"steps lost, {103 - on_disk} without the RAM tier")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--mib", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--quick", action="store_true", help="64 MiB only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    lines = [f"restart benchmark: {args.mib} MiB float32, {args.rounds} round(s), "
-             f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}",
-             f"{'source':<10} {'imports_s':>10} {'restore_s':>10} {'process_s':>10} {'GB/s':>7}"]
-    with tempfile.TemporaryDirectory(dir=os.getcwd()) as d:
-        for _ in range(args.rounds):
-            # no pipe: the lingering sidecar inherits the trainer's stdout and would hold it
-            code = subprocess.run([sys.executable, "-c", TRAINER, d, str(args.mib)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  timeout=300).returncode
-            assert code == -signal.SIGKILL, code
-            ram, disk = os.path.join(d, "ram7.fdl"), os.path.join(d, "disk7.fdl")
-            assert not os.path.exists(ram)  # memory-only: never on disk
-            rows = [("ram", ram, "restore"), ("warm disk", disk, "restore"),
-                    ("cold disk", disk, "cold"), ("memcpy", ram, "memcpy")]
-            _run(disk, args.mib, "restore")  # warm the page cache
-            for name, path, how in rows:
-                if how == "cold":
-                    _evict(path)
-                imports_s, restore_s, process_s = _run(path, args.mib,
-                                                       "memcpy" if how == "memcpy" else "r")
-                gbs = (args.mib << 20) / restore_s / 1e9
-                lines.append(f"{name:<10} {imports_s:>10.3f} {restore_s:>10.4f} "
-                             f"{process_s:>10.3f} {gbs:>7.2f}")
-            with snapsvc_writer(d):  # attach and close: the lingering sidecar ends
-                pass
+    sizes = [64] if args.quick else args.mib
+    from remote import _start_moto   # benchmarks/remote.py's moto on loopback
+    import boto3
+    import torch
+
+    server, endpoint = _start_moto()
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    lines = [f"restart benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {sys.version.split()[0]}"]
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        with tempfile.TemporaryDirectory(dir=os.getcwd()) as base:
+            for mib in sizes:
+                lines += run_size(mib, "s3://bench/run", base)
+            lines += small_runs(base)
+    finally:
+        server.kill()
+        server.wait(30)
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-
-
-class snapsvc_writer:
-    """A writer on ``d`` opened and closed: it takes over the lingering sidecar's
-    RAM copies, and its clean close frees them."""
-
-    def __init__(self, d: str) -> None:
-        import snapsvc
-        self.w = snapsvc.SnapshotWriter(d)
-
-    def __enter__(self) -> None:
-        self.w.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.w.close()
 
 
 if __name__ == "__main__":

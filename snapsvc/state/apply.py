@@ -72,7 +72,7 @@ def _hold_signals() -> tuple[dict[int, Any], list[int]] | None:
     if threading.current_thread() is not threading.main_thread():
         return None
     caught: list[int] = []
-    old = {}
+    old: dict[int, Any] = {}
     for sig in _HELD:
         handler = signal.getsignal(sig)
         if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python
