@@ -288,6 +288,10 @@ def test_remote_settings_refused_at_construction(s3, tmp_path, secret):
     for remote in (tmp_path / "link", tmp_path / "link" / "sub", tmp_path):
         with pytest.raises(ValueError, match="apart from it"):
             snapsvc.SnapshotWriter(local, remote=str(remote))
+    # an empty remote is no place (it uploaded into the current directory)
+    for remote in ("", " "):
+        with pytest.raises(ValueError, match="names no place"):
+            snapsvc.SnapshotWriter(local, remote=remote)
 
 
 def test_every_url_uploaded_returns_reads_back(s3, tmp_path):

@@ -473,6 +473,10 @@ def check_remote(remote: str | os.PathLike[str] | None, directory: str | None,
         return None
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"remote_keep_last must be >= 1 or None, got {keep_last}")
+    if not os.fspath(remote).strip():
+        # "" would be the current directory: uploads landing wherever the trainer runs
+        raise ValueError("remote='' names no place: pass a URL (s3://bucket/prefix) or a "
+                         "directory, or remote=None for no remote tier")
     if not timeout > 0:
         raise ValueError(f"remote_timeout must be > 0 seconds, got {timeout}")
     if directory is None:
