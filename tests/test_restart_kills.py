@@ -172,9 +172,6 @@ def test_a_forked_child_never_attaches_lingers_or_stops_the_parents_sidecar(tmp_
 
 # -- snapsvc serve SIGKILLed: what it leaves -----------------------------------------
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason="issue 31 open: a SIGKILLed `snapsvc serve` leaves its "
-                   "RAM copies in /dev/shm (nobody owns them: the trainer's own sidecar does not "
-                   "adopt them, nor does the next service), and its socket file and record")
 def test_a_sigkilled_service_leaves_nothing_once_its_trainer_closes(tmp_path):
     from test_serve import _start
     service = _start(tmp_path)
@@ -184,9 +181,12 @@ def test_a_sigkilled_service_leaves_nothing_once_its_trainer_closes(tmp_path):
             w.submit({"w": torch.ones(4), "step": 1}, "m1.fdl", persist=False).result(30)
             service.kill()
             service.wait(10)
+            assert snapsvc.load(tmp_path / "m1.fdl")["step"] == 1   # nothing lost meanwhile
             report = w.submit({"w": torch.ones(4), "step": 2}, "m2.fdl", persist=False).result(30)
             assert report.in_memory and w.pid != service.pid   # recovered: a sidecar of its own
-            assert snapsvc.load(tmp_path / "m1.fdl")["step"] == 1   # nothing lost meanwhile
+            # the new sidecar adopted the dead service's copy: m2 replaces it (keep_in_memory=1)
+            assert snapsvc.load(tmp_path / "m2.fdl")["step"] == 2
+            assert not os.path.exists(ramtier.ram_path(tmp_path / "m1.fdl"))
         sock = rendezvous.socket_path(str(tmp_path))
         assert ramtier.ram_path(tmp_path / "x") is None   # no /dev/shm entry of the directory
         assert sock is None or not os.path.exists(sock)    # no socket file

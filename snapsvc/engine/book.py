@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import BrokenWriterError, WriteFailedError, WriterClosedError
+from ..files.ramtier import ram_series
 from ..format import protocol
 from .handles import WriteHandle, WriteReport
 from .pools import Slot
@@ -63,6 +64,10 @@ class Book:
                        "broken": 0, "restarts": 0, "bytes": 0, "staged_bytes": 0,
                        "uploaded": 0, "upload_failed": 0}
         self.stalls: deque[float] = deque(maxlen=10_000)
+        # the memory-only snapshots held for this writer, the newest ``ram_keep`` of each
+        # series (the sidecar's keep_in_memory): what a dead service's successor adopts
+        self.in_ram: dict[tuple[str, str, str], list[str]] = {}
+        self.ram_keep = 1
 
     def make_dir(self, directory: str) -> None:
         """Make a checkpoint's directory, once per writer (submit's hot path
@@ -158,6 +163,8 @@ class Book:
             if self.kept is not None and ok and not skipped and not ram:
                 gone = {msg["path"], *msg.get("removed", ())}
                 self.kept = [k for k in self.kept if k not in gone] + [msg["path"]]
+            if ram:
+                self.note_ram(msg["path"])
             if self.remote and ok and not skipped and not ram:  # outcome: an UPLOADED report
                 self.uploading[msg["seq"]] = (p.handle, p.gen)
             self.cond.notify_all()
@@ -175,6 +182,14 @@ class Book:
         else:
             p.handle._future.set_exception(WriteFailedError(
                 msg["errno"] or 0, f"{msg['error']} (writing checkpoint)", msg["filename"]))
+
+    def note_ram(self, path: str) -> None:
+        """``path`` is held in RAM for this writer (under ``cond``)."""
+        mine = self.in_ram.setdefault(ram_series(path), [])
+        if path in mine:
+            mine.remove(path)
+        mine.append(path)
+        del mine[:-self.ram_keep]
 
     def upload_done(self, msg: dict[str, Any]) -> None:
         """An UPLOADED report (reader thread); seq None: found at the sidecar's start."""

@@ -32,8 +32,8 @@ from typing import Any
 
 from ..errors import UnsafePathError
 from ..files.durable import remove_stale_temps
-from ..files.ramtier import series
-from ..files.rendezvous import attach, service_socket
+from ..files.ramtier import ram_path, series
+from ..files.rendezvous import attach, service_socket, unregister_service
 from ..format import protocol
 from .book import Book
 from .copier import Copier
@@ -57,6 +57,7 @@ class Life:
         self.copier = copier
         self.pools = pools
         self.options = options  # the sidecar's; a restart adds the files keep_last still rotates
+        book.ram_keep = options.get("keep_in_memory", 1)
         self.lock = threading.Lock()
 
     def ensure_running(self) -> None:
@@ -130,16 +131,39 @@ class Life:
         except ServiceUnavailable as e:
             if first and self.owner.service is not None:
                 raise
+            if e.dead:
+                self._bury(path)
             log.warning("%s; starting a writer sidecar of this trainer's own", e)
             return False
         info = self.sidecar.service_info or {}
         self.pools.memory_limit = lower(self.options.get("memory_limit"), info.get("memory"))
+        with self.book.cond:
+            for held, _ in info.get("held", ()):
+                self.book.note_ram(held)
         if first:
             self.owner.attached = AttachReport(info["pid"], [p for p, _ in info["held"]],
                                                [(f["path"], f["error"]) for f in info["failures"]])
         for f in info["failures"]:
             log.error("while no trainer was attached, writing %s failed: %s", f["path"], f["error"])
         return True
+
+    def _bury(self, sock: str) -> None:
+        """The service on ``sock`` is gone (nothing listens): its record and socket file
+        go, and the RAM copies it held for this writer pass to the sidecar started next,
+        which drops them when it ends (a RAM copy lives as long as its writer)."""
+        if self.owner.directory is not None:
+            unregister_service(self.owner.directory, sock)
+        try:
+            os.unlink(sock)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove the dead service's socket %s: %s", sock, e)
+        with self.book.cond:
+            paths = [p for mine in self.book.in_ram.values() for p in mine]
+        held = [(p, ram) for p in paths if (ram := ram_path(p)) is not None and os.path.exists(ram)]
+        if held:
+            self.options["held"] = held
 
     def stop(self, timeout: float | None) -> None:
         """Drain what is queued (bounded by ``timeout``), then stop the sidecar."""

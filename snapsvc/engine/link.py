@@ -40,6 +40,7 @@ thread with no lock of this class held.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
@@ -316,7 +317,10 @@ class Sidecar:
 
 
 class ServiceUnavailable(BrokenWriterError):
-    """No ``snapsvc serve`` answers on a socket, or it refused this trainer."""
+    """No ``snapsvc serve`` answers on a socket, or it refused this trainer.
+    ``dead``: nothing listens there (refused, or no socket file): the service is gone."""
+
+    dead = False
 
 
 class ServiceProcess:
@@ -385,8 +389,10 @@ def _connect(path: str, remote: str | None, timeout: float, memory: int | None) 
         sock.close()
         if isinstance(e, UnsafePathError):
             raise
-        raise ServiceUnavailable(f"no snapsvc service answers on {path} ({e}); start one "
-                                 f"with `snapsvc serve DIRECTORY --socket {path}`") from None
+        gone = ServiceUnavailable(f"no snapsvc service answers on {path} ({e}); start one "
+                                  f"with `snapsvc serve DIRECTORY --socket {path}`")
+        gone.dead = e.errno in (errno.ECONNREFUSED, errno.ENOENT)
+        raise gone from None
     except BaseException:
         sock.close()
         raise
