@@ -5,6 +5,7 @@ Each test runs the stock trainer (Lightning's own torch.save IO) as the control 
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 
@@ -15,6 +16,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from conftest import _open_fds, _shm_entries, sidecar_children  # noqa: E402
 from snapsvc.errors import UnsupportedStateError  # noqa: E402
 from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402
 from test_lightning_overlap import slow_copy  # noqa: E402,F401  (a fixture)
@@ -92,6 +94,54 @@ def test_the_plugin_pickles_as_stocks_io_does(tmp_path, no_leaks):
     io.teardown()  # written: the copy (another process under ddp_spawn) reads it
     assert torch.equal(copy.load_checkpoint(str(tmp_path / "a.ckpt"))["x"], torch.ones(2))
     copy.teardown()
+
+
+def _spawn_fit_and_resume(io: str, d) -> dict:
+    """A ddp_spawn fit, its checkpoint read, and a resume from it: what each gave (private copies:
+    spawning shares the parent's tensors through memory that lives as long as they do)."""
+    torch.manual_seed(0)
+    model = Lit()
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=d, filename="c")
+    plugins = [SnapsvcCheckpointIO()] if io == "snapsvc" else []
+    pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=plugins, callbacks=[ckpt],
+               max_steps=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, default_root_dir=d).fit(model, data(4))
+    saved = read(io, ckpt.best_model_path)
+    resumed = trainer(io, [], max_steps=3, limit_val_batches=0)
+    again = Lit()
+    resumed.fit(again, data(4), ckpt_path=ckpt.best_model_path)
+    def copy(sd): return {k: v.clone() for k, v in sd.items()}
+    return {"model": copy(model.state_dict()), "saved": copy(saved["state_dict"]),
+            "step": saved["global_step"], "groups": saved["optimizer_states"][0]["param_groups"],
+            "resumed": copy(again.state_dict()), "resumed_step": resumed.global_step}
+
+
+@pytest.mark.timeout(240)
+def test_a_ddp_spawn_fit_saves_loads_and_resumes_as_with_stock(tmp_path, _warm_sidecar):
+    """Item 11 in a real fit: two spawned gloo ranks pickle the plugin, rank 0 saves through its
+    copy, the parent gets the trained weights back through Lightning's temp checkpoint, and the
+    file loads and resumes exactly as stock's, leaving behind no more than stock."""
+    def shm() -> set[str]:   # not the RAM tier's root: every writer of this user shares it
+        return {e for e in _shm_entries() if "/" not in e}
+    got, left = {}, {}
+    for io in ("default", "snapsvc"):
+        gc.collect()
+        before, fds = shm(), _open_fds()
+        got[io] = _spawn_fit_and_resume(io, tmp_path / io)
+        gc.collect()
+        assert not shm() - before and not sidecar_children(), io
+        left[io] = sorted(os.readlink(f"/proc/self/fd/{fd}").split("_")[0] for fd in _open_fds() - fds
+                          if os.path.exists(f"/proc/self/fd/{fd}"))
+    stock, ours = got["default"], got["snapsvc"]
+    assert ours["step"] == stock["step"] == 2 and ours["resumed_step"] == stock["resumed_step"] == 3
+    assert ours["groups"] == stock["groups"]
+    for part in ("saved", "model", "resumed"):   # the file, the parent's model, the resumed one
+        assert ours[part].keys() == stock[part].keys(), part
+        for k, v in stock[part].items():
+            assert torch.equal(ours[part][k], v), (part, k)
+    assert not torch.equal(stock["resumed"]["net.weight"], stock["model"]["net.weight"])  # trained on
+    # the first spawn opens multiprocessing's own helpers, which live on: nothing more than stock
+    assert len(left["snapsvc"]) <= len(left["default"]), left
 
 
 # -- item 19: snapsvc.verify on a save_last="link" checkpoint -------------------------------------

@@ -72,16 +72,12 @@ def test_a_submit_refused_after_close_keeps_nothing(tmp_path):
 
 
 def _extra_tensor(m, opt, state):
-    t = torch.randn(64)
-    state["extra"] = {"t": t}
-    return t
+    state["extra"] = {"t": torch.randn(64)}
+    return state["extra"]["t"]
 
 
-def _replaced_moment(m, opt, state):
-    st = opt.state[next(iter(m.parameters()))]
-    old = st["exp_avg"]
-    st["exp_avg"] = old.clone()   # a new object: the old one is the user's to drop
-    return old
+def _moment(m, opt, state):
+    return opt.state[next(iter(m.parameters()))]["exp_avg"]
 
 
 def _detached_state_dict(m, opt, state):
@@ -89,23 +85,31 @@ def _detached_state_dict(m, opt, state):
     return state["sd"]["0.weight"]
 
 
-@pytest.mark.parametrize("make", [_extra_tensor, _replaced_moment, _detached_state_dict])
-def test_a_detached_tensor_is_freed_while_its_model_lives_on(tmp_path, make):
+def _replace_moment(m, opt):
+    st = opt.state[next(iter(m.parameters()))]
+    st["exp_avg"] = st["exp_avg"].clone()   # a new object: the old one is the user's to drop
+
+
+@pytest.mark.parametrize("make, after", [(_extra_tensor, None), (_moment, _replace_moment),
+                                         (_detached_state_dict, None)])
+def test_a_detached_tensor_is_freed_while_its_model_lives_on(tmp_path, make, after):
     """Item 5's sibling: the model and optimizer live on (the memo's parts for
-    them stay), but a tensor the state no longer holds (an ``extra`` value, an
-    optimizer moment replaced by a new object, a ``state_dict()``'s detached
-    tensor) is freed once its write is booked, before the next submit."""
+    them stay), but a tensor the state lets go of after a submit (an ``extra``
+    value, an optimizer moment replaced by a new object, a ``state_dict()``'s
+    detached tensor) is freed then, before the next submit."""
     m, opt = _trained()
     with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
         for i in range(2):   # the second submit takes the kept parts
             state = {"model": m, "opt": opt}
             ref = weakref.ref(make(m, opt, state))
             w.submit(state, f"s{i}.fdl").result(timeout=60)
+            if after is not None:
+                after(m, opt)
             del state
             assert not _alive([ref]), f"submit {i}: the memo still holds the tensor"
         # the parts kept for the live model and optimizer still serve, and write what is there now
-        opt.state[next(iter(m.parameters()))]["exp_avg"].fill_(7.0)
+        moment = opt.state[next(iter(m.parameters()))]["exp_avg"]
+        moment.fill_(7.0)
         w.submit({"model": m, "opt": opt}, "last.fdl").result(timeout=60)
     back = snapsvc.load(tmp_path / "last.fdl")
-    assert torch.equal(back["opt"]["state"][0]["exp_avg"], torch.full_like(
-        opt.state[next(iter(m.parameters()))]["exp_avg"], 7.0))
+    assert torch.equal(back["opt"]["state"][0]["exp_avg"], torch.full_like(moment, 7.0))
