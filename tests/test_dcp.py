@@ -352,6 +352,13 @@ def test_reader_reads_a_distributed_snapshot_writer_state_and_names_what_it_cann
     with pytest.raises(CheckpointException, match="restore_distributed"):
         dcp.load(got, storage_reader=SnapsvcStorageReader(tmp_path / "ckpt" / "step_2"))
     assert torch.equal(got["w"].to_local(), before)
+    # what snapsvc 0.5.0's SnapsvcStorageWriter wrote: a flat state with its metadata entry
+    with snapsvc.DistributedSnapshotWriter(tmp_path / "old", coord_timeout=60) as writer:
+        writer.submit({"w@0,0": FULL_W.clone(), "snapsvc.dcp": {"version": 1, "items": {}}},
+                      7).result(timeout=60)
+    with pytest.raises(CheckpointException, match="0.5.0"):
+        dcp.load(got, storage_reader=SnapsvcStorageReader(tmp_path / "old" / "step_7"))
+    assert torch.equal(got["w"].to_local(), before)
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "name"])
