@@ -352,6 +352,13 @@ def test_reader_reads_a_distributed_snapshot_writer_state_and_names_what_it_cann
     with pytest.raises(CheckpointException, match="restore_distributed"):
         dcp.load(got, storage_reader=SnapsvcStorageReader(tmp_path / "ckpt" / "step_2"))
     assert torch.equal(got["w"].to_local(), before)
+    # what snapsvc 0.5.0's SnapsvcStorageWriter wrote: a flat state with its metadata entry
+    with snapsvc.DistributedSnapshotWriter(tmp_path / "old", coord_timeout=60) as writer:
+        writer.submit({"w@0,0": FULL_W.clone(), "snapsvc.dcp": {"version": 1, "items": {}}},
+                      7).result(timeout=60)
+    with pytest.raises(CheckpointException, match="0.5.0"):
+        dcp.load(got, storage_reader=SnapsvcStorageReader(tmp_path / "old" / "step_7"))
+    assert torch.equal(got["w"].to_local(), before)
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "name"])
@@ -452,8 +459,25 @@ def scenario_torchtitan(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(200)
-def test_torchtitan_call_sequence_fsdp2_resumes_at_2_and_reshards_to_1(tmp_path):
+def scenario_load3(rank: int, world: int, tmp: str, root: str) -> dict:
+    """World 3 (uneven shards): step_2 through SnapsvcStorageReader equals DCP's own
+    FileSystemReader of the control, shard by shard."""
+    out = {}
+    for name, reader in (("snap", SnapsvcStorageReader(os.path.join(root, "titan", "step_2"))),
+                         ("fs", dcp.FileSystemReader(os.path.join(root, "fs")))):
+        model, opt = _fsdp_model()
+        _train(model, opt, 99)
+        states = _titan_states(model, opt, 0)
+        dcp.load(states, storage_reader=reader)
+        out[name] = _locals(states)
+    same = out["snap"].keys() == out["fs"].keys() and all(
+        torch.equal(v, out["fs"][k]) if isinstance(v, torch.Tensor) else v == out["fs"][k]
+        for k, v in out["snap"].items() if k != "train_state.step")
+    return {"same": same}
+
+
+@pytest.mark.timeout(280)
+def test_torchtitan_call_sequence_fsdp2_resumes_at_2_and_reshards_to_1_and_3(tmp_path):
     codes, results = run_world(tmp_path, 2, scenario_torchtitan, run_s=170)
     assert codes == [0, 0], results
     assert results == [{"step1": True, "step2": True}] * 2, results
@@ -469,3 +493,7 @@ def test_torchtitan_call_sequence_fsdp2_resumes_at_2_and_reshards_to_1(tmp_path)
     dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path / "fs"), no_dist=True)
     assert "0.weight" in ours and any(k.startswith("optimizer.state.") for k in ours)
     assert all(torch.equal(ours[k], theirs[k]) for k in keys)
+    (tmp_path / "world3").mkdir()   # a rendezvous file of its own
+    codes, results = run_world(tmp_path / "world3", 3, scenario_load3, run_s=90,
+                               root=str(tmp_path))
+    assert codes == [0, 0, 0] and results == [{"same": True}] * 3, results

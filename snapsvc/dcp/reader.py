@@ -89,6 +89,12 @@ class SnapsvcStorageReader(StorageReader):
                 raise FormatError("rank 0's metadata holds no state tree: the step was not "
                                   "saved from a state mapping (read it with "
                                   "snapsvc.restore_distributed)", path=self.path)
+            if isinstance(tree, dict) and "snapsvc.dcp" in tree:
+                raise FormatError(
+                    "written by snapsvc 0.5.0's SnapsvcStorageWriter, whose layout (entries "
+                    "'<key>@<offsets>' in whole rank files) this reader does not read: load it "
+                    "with snapsvc 0.5.0 and save it again, or read each rank file with "
+                    "snapsvc.load", path=self.path)
             self._saved = _globals(m)
             self._items = dcp_items(tree, self.path)
             md = dcp_metadata(self._items, self._saved, self.path)

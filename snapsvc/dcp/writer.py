@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..distributed.writer import DistributedSnapshotWriter
-from ..engine.held import Held, release_held
+from ..engine.dispatch import Held, release_held
 from .layout import _Refusal, is_step_path, metadata_token, step_of
 from ..remote.url import is_url
 from .relay import Relay, call

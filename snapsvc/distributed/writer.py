@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.held import Held, hold, send_held
+from ..engine.dispatch import Held, hold, send_held
 from ..engine.writer import SnapshotWriter
 from ..errors import DistributedCheckpointError
 from ..state.tree import check_plain

@@ -32,7 +32,8 @@ Who owns what::
     plan.py      a submit's checked request, its pool lookup, the metadata body
     book.py      Book: pending writes, flags, counters, reports               cond
     slots.py     SlotBroker: pool registration, slot reservation by policy
-    dispatch.py  Dispatcher: copy into the slot, book it, send WRITE
+    dispatch.py  Dispatcher: copy into the slot, book it, send WRITE; a copy held
+                 in its slot and sent later (hold/send_held: snapsvc.dcp's stager)
     pools.py     SlotPools: slots by layout, copy plans, memory budget
     copier.py    Copier: blocking copy, overlap thread, CUDA stream           its own lock
     staging.py   shared-memory slots: allocation, views, the grouped copy

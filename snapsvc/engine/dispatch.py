@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,8 +32,10 @@ from .handles import WriteHandle
 from .pools import ROOM, Plan, Pool, Slot, SlotPools
 from .link import Sidecar
 from .slots import SlotBroker
+from ..state.tree import check_plain
+from .plan import Request, find_pool, pack_body, request
 
-__all__ = ["Dispatcher", "Held"]
+__all__ = ["Dispatcher", "Held", "using", "hold", "send_held", "release_held"]
 
 
 @dataclass
@@ -212,3 +216,79 @@ class Dispatcher:
                 return
             book.cond.notify_all()
         self.send(slot, seq, msg)
+
+
+# -- a copy held in a slot, sent later ---------------------------------------------------
+# DCP's AsyncStager.stage() copies the state before the save knows where it goes (the
+# checkpoint id comes with the save): hold() takes a slot and copies into it (the same
+# pools, kept walks and copier as submit) and keeps it reserved; send_held() books and
+# sends the write once the path is known; release_held() gives the slot back when the
+# save is abandoned (snapsvc.dcp). ``writer`` is a SnapshotWriter (not imported: it imports this).
+
+@contextmanager
+def using(writer: Any, req: Request
+          ) -> Iterator[tuple[Pool, list[torch.Tensor], Plan | None]]:
+    """The pool, copy sources and plan of ``req`` for ``writer``, the pool kept (and
+    counted active) while the caller copies."""
+    writer._life.ensure_running()
+    book = writer._book
+    gone: list[Slot] = []
+    try:
+        with book.cond:
+            book.check_open()
+            try:
+                pool, sources, plan = find_pool(writer._pools, req)
+            finally:  # a refused layout may have released idle pools first
+                gone = writer._pools.take_released()
+            pool.users += 1  # not trimmed while this submit uses it
+            book.active += 1
+    finally:
+        if gone:  # the sidecar unmaps them; their memory is freed on both sides
+            writer._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
+    try:
+        yield pool, sources, plan
+    finally:
+        with book.cond:
+            book.active -= 1
+            pool.users -= 1
+            if book.closed and not book.active:  # close() timed out while we copied
+                writer._pools.clear()
+            book.cond.notify_all()
+
+
+def hold(writer: Any, state: Any, timeout: float | None = None) -> Held:
+    """Copy the tensors of ``state`` (a state mapping, or a :class:`~snapsvc.state.tree.Flat`)
+    into a slot of ``writer`` and keep it reserved, unsent."""
+    started = time.monotonic()
+    writer._check_caller("stage")
+    if writer.overlap or writer.policy != "block":
+        raise ValueError("a held copy needs a writer with overlap=False and policy='block'")
+    with writer._book.cond:
+        writer._book.check_open()
+    req = request(state, None, None, writer._pools.memo)
+    with using(writer, req) as (pool, sources, plan):
+        held = writer._dispatch.take(pool, sources, plan, started, timeout)
+    assert held is not None   # policy "block" waits for a slot, or raises
+    held.tree = req.tree
+    return held
+
+
+def send_held(writer: Any, held: Held, path: str | os.PathLike[str],
+              extra: Any = None) -> WriteHandle:
+    """Write the slot :func:`hold` filled to ``path`` (``extra``: plain data for its
+    metadata); the slot is given back if this raises before sending."""
+    try:
+        writer._check_caller("submit")
+        full = writer._resolve(path)
+        body = pack_body(full, held.pool.buffer_bytes, False, epoch=0, metrics={},
+                         extra=check_plain(extra, "extra"), optim=None, state=held.tree,
+                         extra_state=None)
+    except BaseException:
+        release_held(writer, held)
+        raise
+    return writer._dispatch.queue(held, full, body)
+
+
+def release_held(writer: Any, held: Held) -> None:
+    """Give back the slot of a held copy that will not be written (a no-op once sent)."""
+    writer._dispatch.release(held)

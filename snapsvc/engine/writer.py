@@ -10,8 +10,7 @@ import os
 import threading
 import time
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -22,11 +21,11 @@ from ..format import protocol
 from ..state.tree import check_plain
 from .book import Book
 from .copier import Copier
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, using
 from .handles import WriteHandle, WriteReport
 from .life import AttachReport, Cadence, Life
-from .plan import Request, check_epoch, check_path, find_pool, pack_body, request
-from .pools import Plan, Pool, Slot, SlotPools
+from .plan import check_epoch, check_path, pack_body, request
+from .pools import SlotPools
 from .link import Sidecar
 from .slots import SlotBroker
 from .snapshot import ModelSnapshot, as_metrics
@@ -237,40 +236,12 @@ class SnapshotWriter:
         with self._book.cond:
             self._book.check_open()   # refused before its walk: a closed writer keeps nothing
         req = request(model_or_state, optimizer, extra, self._pools.memo)
-        with self._using(req) as (pool, sources, plan):
+        with using(self, req) as (pool, sources, plan):
             body = pack_body(path, pool.buffer_bytes, req.plain, epoch=epoch,
                              metrics=metrics, extra=extra, optim=req.optim, state=req.tree,
                              extra_state=req.extra_state)
             return self._dispatch.stage(pool, sources, plan, path, body, started, timeout,
                                         persist)
-
-    @contextmanager
-    def _using(self, req: Request) -> Iterator[tuple[Pool, list[torch.Tensor], Plan | None]]:
-        """The pool, copy sources and plan of ``req``, the pool kept while the caller copies."""
-        self._life.ensure_running()
-        book = self._book
-        gone: list[Slot] = []
-        try:
-            with book.cond:
-                book.check_open()
-                try:
-                    pool, sources, plan = find_pool(self._pools, req)
-                finally:  # a refused layout may have released idle pools first
-                    gone = self._pools.take_released()
-                pool.users += 1  # not trimmed while this submit uses it
-                book.active += 1
-        finally:
-            if gone:  # the sidecar unmaps them; their memory is freed on both sides
-                self._sidecar.send(protocol.pack(protocol.FREE, slots=[s.id for s in gone]))
-        try:
-            yield pool, sources, plan
-        finally:
-            with book.cond:
-                book.active -= 1
-                pool.users -= 1
-                if book.closed and not book.active:  # close() timed out while we copied
-                    self._pools.clear()
-                book.cond.notify_all()
 
     def _upload_durable(self, path: str | os.PathLike[str]) -> WriteHandle:
         """Upload ``path``, durable already, through the sidecar's uploader (for
