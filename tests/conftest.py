@@ -38,10 +38,12 @@ import os  # noqa: E402
 _OURS = ("torch_", "psm_", "snapsvc")
 
 
-def _shm_entries() -> set[str]:
-    # torch names its segments torch_<creator pid>_...: count only this
-    # process's, so a test run or a helper beside this one cannot fail it.
-    mine = f"torch_{os.getpid()}_"
+def _shm_entries(pids: tuple[int, ...] = ()) -> set[str]:
+    """What snapsvc and torch's shared memory left in /dev/shm that this process (or the
+    processes ``pids``) could have made."""
+    # torch names its segments torch_<creator pid>_...: count only ours, so a test run
+    # or a helper beside this one cannot fail it.
+    mine = tuple(f"torch_{pid}_" for pid in (os.getpid(), *pids))
     found = {e for e in os.listdir("/dev/shm") if e.startswith(_OURS)
              and (not e.startswith("torch_") or e.startswith(mine))}
     # the RAM tier's per-user root is shared by every writer of the user (other
@@ -54,6 +56,19 @@ def _shm_entries() -> set[str]:
         except FileNotFoundError:   # removed meanwhile by the last writer using it
             pass
     return found
+
+
+def shm_leaked(before: set[str], top: str, pids: tuple[int, ...] = ()) -> set[str]:
+    """The entries of :func:`_shm_entries` new since ``before``. The RAM tier's root is
+    shared by every writer of the user (the other xdist worker's included), so a new
+    folder in it counts only when it belongs to a directory under ``top`` (the test's
+    ``tmp_path``)."""
+    ram = f"snapsvc-{os.getuid()}/"
+    leaked = _shm_entries(pids) - before
+    if any(e.startswith(ram) for e in leaked):
+        ours = _ram_folders_under(top)
+        leaked = {e for e in leaked if not e.startswith(ram) or e in ours}
+    return leaked
 
 
 def _open_fds() -> set[str]:
@@ -96,19 +111,12 @@ def _ram_folders_under(top: str) -> set[str]:
 
 @pytest.fixture
 def no_leaks(_warm_sidecar, tmp_path):
-    """Fail the test if it leaves /dev/shm entries or open fds behind. The RAM tier's
-    root is shared by every writer of the user (the other xdist worker's included), so
-    a new folder in it counts only when it belongs to a directory under this test's
-    ``tmp_path``."""
+    """Fail the test if it leaves /dev/shm entries (:func:`shm_leaked`) or open fds behind."""
     gc.collect()
     shm, fds = _shm_entries(), _open_fds()
     yield
     gc.collect()
-    ram = f"snapsvc-{os.getuid()}/"
-    leaked_shm = _shm_entries() - shm
-    if any(e.startswith(ram) for e in leaked_shm):
-        ours = _ram_folders_under(str(tmp_path))
-        leaked_shm = {e for e in leaked_shm if not e.startswith(ram) or e in ours}
+    leaked_shm = shm_leaked(shm, str(tmp_path))
     leaked_fds = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in _open_fds() - fds
                   if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not leaked_shm, f"/dev/shm entries leaked: {sorted(leaked_shm)}"

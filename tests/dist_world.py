@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import _shm_entries, shm_leaked
+
 RUN_S = 100.0      # a whole spawned world, start to finish
 
 Scenario = Callable[..., dict]
@@ -60,7 +62,7 @@ def run_world(tmp_path, world: int, scenario: Scenario, *, run_s: float = RUN_S,
     """
     ctx = mp.get_context("spawn")
     init = f"file://{tmp_path}/rendezvous"
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = _shm_entries()
     procs = [ctx.Process(target=rank_main, name=f"rank{r}",
                          args=(r, world, init, str(tmp_path), scenario, kwargs))
              for r in range(world)]
@@ -77,6 +79,7 @@ def run_world(tmp_path, world: int, scenario: Scenario, *, run_s: float = RUN_S,
         for p in procs:
             p.join(10)
     codes = [p.exitcode for p in procs]
+    pids = tuple(p.pid for p in procs if p.pid is not None)   # their torch_<pid>_ segments
     stragglers = [p.name for p in stragglers]
     for p in procs:
         if p.exitcode is not None:
@@ -92,7 +95,8 @@ def run_world(tmp_path, world: int, scenario: Scenario, *, run_s: float = RUN_S,
     for r, res in enumerate(results):
         assert res is None or "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
     deadline = time.monotonic() + (20 if check_shm else 0)  # an orphaned sidecar may be exiting
-    while check_shm and (leaked := set(os.listdir("/dev/shm")) - shm_before) and time.monotonic() < deadline:
+    while check_shm and (leaked := shm_leaked(shm_before, str(tmp_path), pids)) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not check_shm or not leaked, f"/dev/shm entries leaked: {sorted(leaked)}"
     return codes, results
