@@ -139,6 +139,18 @@ def test_node_lost_resumes_from_peer_ram(tmp_path):
     step 20, bit-exactly, node B's files from node A's RAM: step 30 is not whole
     anywhere (the bad replica is skipped and logged; step 20's replica never stands in
     for it), and step 10 lost node B's disk files."""
+    try:
+        _node_loss(tmp_path)
+    finally:   # a failed run must not leave replicas in the tmpfs (a clean close drops them)
+        from snapsvc.distributed.replicas import held_by
+        from snapsvc.files.ramtier import drop
+        for n in (10, 20, 30):
+            for holder in range(4):
+                for ram in held_by(str(tmp_path / "ckpt"), n, holder, 4).values():
+                    drop(ram)
+
+
+def _node_loss(tmp_path):
     codes, results = run_world(tmp_path, 4, scenario_save_and_die, run_s=150, check_shm=False)
     assert codes == [-signal.SIGKILL] * 4
     assert [r["holders"] for r in results] == [[[2]] * 3, [[3]] * 3, [[0]] * 3, [[1]] * 3]

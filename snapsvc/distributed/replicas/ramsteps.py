@@ -139,7 +139,8 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
 def ram_step(path: str, process_group: Any, every_rank: bool) -> Iterator[Manifest | None]:
     """The step ``path`` as a manifest whose ``path`` is a private folder holding the
     rank files this rank needs (its own; every rank's with ``every_rank``), each from
-    its first live source; None (no collective) when the disk holds the whole step.
+    its first live source; None (no collective) when the disk holds the whole step
+    or torch.distributed is not initialized (the disk readers then say what is wrong).
     A collective over the world otherwise."""
     m = _manifest(path)
     if m is None:
@@ -149,9 +150,9 @@ def ram_step(path: str, process_group: Any, every_rank: bool) -> Iterator[Manife
         yield None
         return
     where = _rank_world(process_group)
-    if where is None:
-        raise SnapsvcError(f"{path}: its rank files are not all on disk and torch.distributed is "
-                           "not initialized; the RAM copies are read by every rank together")
+    if where is None:   # one process: no peer to ask; the disk readers say what is wrong
+        yield None
+        return
     rank, world = where
     copies = _copies(m, rank, check=True)
     needs = list(range(m.world_size)) if every_rank else [rank] if rank < m.world_size else [0]
@@ -177,7 +178,7 @@ def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
     disk = os.path.join(m.path, m.ranks[origin].file)
     if not holders:
         if rank in needers:
-            if _rank_on_disk(m, origin):
+            if os.path.exists(disk):   # damaged or whole: the readers check it as on disk
                 _link(disk, view)
                 log.info("step %d: rank %d's file from %s", m.step, origin, DISK)
             else:
