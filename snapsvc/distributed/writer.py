@@ -109,7 +109,7 @@ class DistributedSnapshotWriter:
 
     ``replicas=k``: each rank's snapshot also in the RAM of k ranks on other nodes
     (``handle.replicated()``); ``persist_every``, ``linger``: as for SnapshotWriter,
-    per rank. See docs/distributed.md, "Peer replicas".
+    per rank; ``keep_in_memory`` 2 unless given. See docs/distributed.md, "Peer replicas".
 
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
@@ -157,6 +157,7 @@ class DistributedSnapshotWriter:
                              " only: pass the same remote on every rank")
         # remote_keep_last is not the per-rank writer's: its series rule would take
         # rank0.fdl and rank1.fdl of one step for one series; Uploads rotates whole steps
+        writer_options.setdefault("keep_in_memory", 2)   # step_<N>/ are one RAM series
         self._writer = SnapshotWriter(self.directory, remote=self.remote,
                                       remote_timeout=remote_timeout,
                                       remote_options=remote_options, linger=linger,
@@ -166,25 +167,8 @@ class DistributedSnapshotWriter:
                                                                 f".rank{self.rank}")
         self._uploads: Uploads | None = None
         if self.remote is not None:
-            # A rank's sidecar must not upload at its start what it finds in the shared
-            # directory: the other ranks' files are there too (their sidecars upload them).
-            # It deletes the step's remote manifest before its files: a step saved again
-            # (a run resumed from an earlier one) is never complete over other bytes. At its
-            # start it removes only its own rank's leftovers: another rank's upload may be live.
-            self._writer._life.options.update(remote_scan=False,
-                                              remote_uncommit=(MANIFEST_NAME,),
-                                              remote_names=f"rank{self.rank}.*")
-            group_timeout = self.coord_timeout + upload_wait(remote_timeout)
-            self._upload_group = _new_group(process_group, group_timeout)
-            # at its start, the steps an earlier run left local-only are uploaded (ranks
-            # agree which; each hands its own files to its sidecar): see .uploads
-            self._uploads = Uploads(self.remote, self.directory, self._upload_group,
-                                    dist.get_global_rank(self._upload_group, 0), self.rank,
-                                    self.world_size, remote_timeout=remote_timeout,
-                                    remote_options=dict(remote_options or {}),
-                                    keep_last=remote_keep_last,
-                                    upload=self._writer._upload_durable,
-                                    group_timeout=group_timeout)
+            self._upload_group, self._uploads = _start_uploads(
+                self, process_group, remote_timeout, remote_options, remote_keep_last)
         self._replicator = replicator = None if not self.replicas else Replicator(
             self.directory, _new_group(process_group, self.coord_timeout), self.rank,
             self.world_size, self.replicas, node_id(), self.coord_timeout)
@@ -388,6 +372,29 @@ class DistributedSnapshotWriter:
             uploads.update(self._replicator.counts)
         return {**self._coord.counts, **uploads, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
+
+
+def _start_uploads(w: DistributedSnapshotWriter, process_group: Any, remote_timeout: float,
+                   remote_options: Mapping[str, Any] | None,
+                   remote_keep_last: int | None) -> tuple[Any, Uploads]:
+    """The remote tier of ``w``: its rank's sidecar set up for a shared directory, and
+    the :class:`Uploads` that commit whole steps (with the group they agree in)."""
+    assert w.remote is not None
+    # A rank's sidecar must not upload at its start what it finds in the shared
+    # directory: the other ranks' files are there too (their sidecars upload them).
+    # It deletes the step's remote manifest before its files: a step saved again
+    # (a run resumed from an earlier one) is never complete over other bytes. At its
+    # start it removes only its own rank's leftovers: another rank's upload may be live.
+    w._writer._life.options.update(remote_scan=False, remote_uncommit=(MANIFEST_NAME,),
+                                   remote_names=f"rank{w.rank}.*")
+    group_timeout = w.coord_timeout + upload_wait(remote_timeout)
+    group = _new_group(process_group, group_timeout)
+    # at its start, the steps an earlier run left local-only are uploaded (ranks
+    # agree which; each hands its own files to its sidecar): see .uploads
+    return group, Uploads(w.remote, w.directory, group, dist.get_global_rank(group, 0), w.rank,
+                          w.world_size, remote_timeout=remote_timeout,
+                          remote_options=dict(remote_options or {}), keep_last=remote_keep_last,
+                          upload=w._writer._upload_durable, group_timeout=group_timeout)
 
 
 @atexit.register
