@@ -273,16 +273,6 @@ def test_reads_only_the_pieces_asked_for_each_crc_checked(saved, tmp_path):
     assert torch.equal(sd["b"], torch.zeros(5, dtype=torch.bfloat16))
 
 
-@pytest.fixture
-def world1(tmp_path):
-    """torch.distributed in this process: one gloo rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 @pytest.mark.timeout(120)
 def test_remote_tier_then_load_from_the_url_after_the_local_directory_is_gone(s3, world1,

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import snapsvc
@@ -45,16 +44,6 @@ def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
-
-@pytest.fixture
-def world1(tmp_path):
-    """torch.distributed in this process: one gloo rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def flip(s3, key: str, at: int) -> bytes:

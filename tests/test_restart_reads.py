@@ -70,18 +70,6 @@ def test_latest_across_ram_disk_and_s3_ties_to_the_fastest_and_skips_a_bad_ram_c
         assert snapsvc.load(newest)["step"] == 4
 
 
-@pytest.fixture
-def world1(tmp_path):
-    """torch.distributed in this process: one gloo rank."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
