@@ -52,8 +52,11 @@ def test_twenty_trainers_sigkilled_at_random_points_each_resume_bit_exact_from_r
         # nothing handed over is lost; a submit killed mid-copy may have made it or not
         allowed = {newest_handed, max(tried.get(prev, [0]))}
         assert r["step"] in allowed, f"{where}: restored step {r['step']}, expected {allowed}"
-        newest_handed = r["step"]
         assert r["exact"] is True, f"{where}: not bit-exact with torch.save's: {r['exact']}"
+        if r["newest"] is None:  # every trainer so far killed before a submit returned
+            assert r["step"] == 0 and newest_handed == 0, where
+            continue
+        newest_handed = r["step"]
         on_disk = os.path.exists(r["newest"])
         assert r["from_ram"] or on_disk, where  # a memory-only step is read from RAM
     assert sum(r["from_ram"] for r in starts) >= 10, why   # persist_every=3: most are in RAM

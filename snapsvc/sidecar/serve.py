@@ -128,10 +128,7 @@ class Service:
                 except queue.Empty:
                     self.files.rotate_released()
                     continue
-                try:
-                    self._session(peer)
-                finally:
-                    self._busy.release()
+                self._session(peer)  # releases _busy
         finally:
             self.stopping = True
             if acceptor.is_alive():
@@ -186,11 +183,13 @@ class Service:
 
     def _session(self, peer: socket.socket) -> None:
         """Serve one trainer until its STOP, its death or our SIGTERM."""
-        conn = Connection(os.dup(peer.fileno()))
-        rep = Connection(os.dup(peer.fileno()), readable=False)
-        sentinel_r, sentinel_w = os.pipe()
+        conn = rep = None
+        sentinel_r = sentinel_w = -1
         lock: ClaimLock | None = None
         try:
+            conn = Connection(os.dup(peer.fileno()))
+            rep = Connection(os.dup(peer.fileno()), readable=False)
+            sentinel_r, sentinel_w = os.pipe()
             if not conn.poll(_HELLO_TIMEOUT):
                 return
             hello = protocol.unpack(conn.recv_bytes())
@@ -231,10 +230,14 @@ class Service:
         except (EOFError, OSError, ValueError) as e:
             log.warning("a trainer's session failed: %s", e)
         finally:
+            # free before the trainer sees its sentinel close: the trainer it hands over
+            # to may connect the moment its close() returns
+            self._busy.release()
             for fd in (sentinel_r, sentinel_w):
                 if fd >= 0:
                     os.close(fd)
             for end in (conn, rep, peer):
-                end.close()
+                if end is not None:
+                    end.close()
             if lock is not None:
                 lock.close()
