@@ -78,3 +78,87 @@ def test_extra_must_be_msgpackable(tmp_path, net):
         with pytest.raises(TypeError, match=r"extra\['bad'\]: a value of type object is not storable"):
             w.submit(net, "x.fdl", extra={"bad": object()})
         assert w.is_idle()
+
+
+# msgpack has no tuple: hyperparameters the optimizer holds as tuples (Adam's betas, Rprop's
+# etas and step sizes) must come back as tuples, as torch.save + torch.load give them
+_TUPLED = {"Adam": {"betas": (0.8, 0.9)}, "AdamW": {"betas": (0.7, 0.95)},
+           "NAdam": {"betas": (0.85, 0.99)}, "RAdam": {"betas": (0.8, 0.98)},
+           "Adamax": {"betas": (0.75, 0.9)},
+           "Rprop": {"etas": (0.4, 1.3), "step_sizes": (1e-5, 20.0)}}
+
+
+def _trained(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    opt = getattr(torch.optim, name)(m.parameters(), lr=1e-2, **_TUPLED[name])
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def _control(opt: torch.optim.Optimizer, fresh: torch.optim.Optimizer) -> list[dict]:
+    import io
+    f = io.BytesIO()
+    torch.save(opt.state_dict(), f)
+    fresh.load_state_dict(torch.load(io.BytesIO(f.getvalue()), weights_only=True))
+    return fresh.state_dict()["param_groups"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(_TUPLED))
+def test_tuple_hyperparameters_come_back_as_tuples_as_with_torch_load(tmp_path, name):
+    m, opt = _trained(name)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(m, "flat.fdl", optimizer=opt).result(30)
+        w.submit({"model": m, "opt": opt}, "state.fdl").result(30)
+    control = _control(opt, getattr(torch.optim, name)(_trained(name)[0].parameters()))
+    for how in ("flat", "state"):
+        m2 = nn.Linear(4, 3)
+        opt2 = getattr(torch.optim, name)(m2.parameters())   # the default hyperparameters
+        if how == "flat":
+            snapsvc.restore(tmp_path / "flat.fdl", m2, opt2)
+        else:
+            snapsvc.restore(tmp_path / "state.fdl", {"model": m2, "opt": opt2})
+        groups = opt2.state_dict()["param_groups"]
+        assert groups == control, how
+        for k in _TUPLED[name]:
+            assert type(groups[0][k]) is type(control[0][k]) is tuple, (how, k)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("world1")
+def test_distributed_restores_give_tuples_back_and_take_plain_state_mappings(tmp_path):
+    """Through DistributedSnapshotWriter: a sharded model with its optimizer (the
+    manifest's optimizer groups), and a state mapping without DTensors (each rank's
+    own file, which restore_distributed used to refuse as 'not a state mapping')."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1,))
+
+    def sharded(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        m, _ = _trained(name)
+        fully_shard(m, mesh=mesh)
+        opt = getattr(torch.optim, name)(m.parameters(), lr=1e-2, **_TUPLED[name])
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        return m, opt
+
+    m, opt = sharded("AdamW")
+    plain, popt = _trained("Rprop")
+    with snapsvc.DistributedSnapshotWriter(tmp_path / "sharded") as w:
+        w.submit(m, 1, optimizer=opt).result(60)
+    with snapsvc.DistributedSnapshotWriter(tmp_path / "plain") as w:
+        w.submit({"model": plain, "opt": popt, "pos": (3, "x")}, 1).result(60)
+    m2 = nn.Linear(4, 3)
+    fully_shard(m2, mesh=mesh)
+    opt2 = torch.optim.AdamW(m2.parameters())
+    snapsvc.restore_distributed(snapsvc.latest_checkpoint(tmp_path / "sharded"), m2, opt2)
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    assert type(opt2.param_groups[0]["betas"]) is tuple
+    p2 = nn.Linear(4, 3)
+    state = {"model": p2, "opt": torch.optim.Rprop(p2.parameters()), "pos": None}
+    report = snapsvc.restore_distributed(snapsvc.latest_checkpoint(tmp_path / "plain"), state)
+    assert report.state["pos"] == (3, "x")
+    assert state["opt"].state_dict()["param_groups"] == popt.state_dict()["param_groups"]
+    assert all(torch.equal(a, b) for a, b in zip(p2.parameters(), plain.parameters()))

@@ -107,16 +107,20 @@ def _restore(step: LocalStep, model: nn.Module | Mapping[Any, Any],
         if optimizer is not None and process_group is not None:
             raise TypeError("restore_distributed(path, state_mapping, process_group) takes "
                             "one process group")
-        rank, _ = _rank_and_world(process_group if optimizer is None else optimizer)
-        return _restore_state(step, model, rank, strict, verify)
-    rank, world = _rank_and_world(process_group)
-    if m.sharded is not None:
-        return _restore_sharded(step, model, optimizer, rank, strict, verify)
+        rank, world = _rank_and_world(process_group if optimizer is None else optimizer)
+        optimizer = None
+        if m.sharded is not None:
+            return _restore_state(step, model, rank, strict, verify)
+        # no DTensor in it: each rank's state is its own file, read rank by rank below
+    else:
+        rank, world = _rank_and_world(process_group)
+        if m.sharded is not None:
+            return _restore_sharded(step, model, optimizer, rank, strict, verify)
     if m.world_size != world:
         raise WorldSizeMismatchError(
             f"{m.path}: checkpoint was saved by {m.world_size} ranks but the current world size "
-            f"is {world}; a checkpoint of a model that is not sharded (DTensor) is restored "
-            "rank by rank from its own file",
+            f"is {world}; a checkpoint without DTensors is restored rank by rank from its "
+            "own file",
             saved=m.world_size, current=world)
     entry = m.ranks[rank]
     with step.rank_file(entry.file) as file:

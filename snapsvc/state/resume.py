@@ -97,7 +97,14 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
         raise ArchitectureMismatchError(
             f"{where}: the optimizer's param groups {_shape(current)} do not match the saved "
             f"ones {_shape(saved)}; build the optimizer the same way")
-    return saved_optimizer(tensors, info, where)
+    sd = saved_optimizer(tensors, info, where)
+    # msgpack has no tuple: a hyperparameter the live group holds as one (Adam's
+    # betas) comes back as one, as after torch.save/torch.load
+    for group, live in zip(sd["param_groups"], optimizer.param_groups):
+        for k, v in group.items():
+            if type(v) is list and type(live.get(k)) is tuple:
+                group[k] = tuple(v)
+    return sd
 
 
 def _shape(groups: list[list[Any]]) -> str:
