@@ -171,3 +171,40 @@ def test_close_with_a_timeout_returns_while_an_interrupted_write_waits_for_a_hun
         w.close(timeout=5)
     assert snapsvc.verify(str(tmp_path / "before.fdl")).ok
     assert not (tmp_path / "stuck.fdl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_small_submit_does_not_wait_behind_a_large_write_to_a_busy_sidecar(tmp_path, no_leaks):
+    """A small WRITE is posted, not waited for (issue 34): while a large one (from another
+    thread) waits for a busy sidecar to read it, a small submit returns once copied; both
+    are written once the sidecar reads on."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    hook = functools.partial(hooks.hold, "GO", "first")  # the sidecar stays busy
+    release = threading.Timer(30, lambda: open(tmp_path / "GO", "w").close())
+    w = snapsvc.SnapshotWriter(tmp_path, slots=3, fault_hook=hook)
+    try:
+        first = w.submit(model, "first.fdl")
+        big = threading.Thread(target=w.submit, args=(model, "big.fdl"),
+                               kwargs={"extra": BIG_EXTRA})
+        big.start()
+        deadline = time.monotonic() + 30
+        while w.stats()["pending"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)   # booked: its WRITE is posted next, behind which the small one waits
+        time.sleep(0.2)
+        release.start()  # before issue 34 the small submit returned only once this fired
+        started = time.monotonic()
+        small = w.submit(model, "small.fdl")
+        assert time.monotonic() - started < 15, "the small submit waited for the large write"
+        assert not small.done()
+        open(tmp_path / "GO", "w").close()
+        big.join(60)
+        for h in (first, small):
+            h.result(timeout=60)
+        w.close(timeout=60)
+    finally:
+        release.cancel()
+        open(tmp_path / "GO", "w").close()
+        w.close(timeout=10)
+    for name in ("first.fdl", "big.fdl", "small.fdl"):
+        assert snapsvc.verify(str(tmp_path / name)).ok, name
