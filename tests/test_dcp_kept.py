@@ -1,7 +1,10 @@
 """SnapsvcStorageWriter's kept stage plan (issue 33): reused while the state is as it was, and
 made again at each change ``state_dict()`` would show. Each change saves the state through
-``dcp.async_save`` (the writer as its stager) and loads it back: a kept plan that wrongly
-held would save the old keys, geometry or placements."""
+``dcp.async_save`` (the writer as its stager), checks that the plan was made again, loads it
+back and compares it with the live values, and compares the manifest's shapes, dtypes and
+placements with the live tensors': a kept plan that wrongly held would save the old keys,
+geometry or placements (a stride, ``requires_grad``, an int key for its str or a mapping's kind
+change no byte that DCP reads back: the plan count alone shows those)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from snapsvc.dcp import SnapsvcStorageReader, SnapsvcStorageWriter
+from snapsvc.distributed.manifest import read_manifest
 
 
 def _dt(t: torch.Tensor, placement=None):
@@ -79,6 +83,27 @@ def _same(got, want) -> bool:
     return got == want
 
 
+def _tensors(v) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    values = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+    return [t for x in values for t in _tensors(x)]
+
+
+def _recorded(step) -> list:
+    """(shape, dtype, placements) of each tensor the step's manifest lists."""
+    m = read_manifest(step)
+    return sorted((r["shape"], r["dtype"], r["placements"]) for r in m.ranks[0].entries)
+
+
+def _live(state) -> list:
+    def placements(t):
+        return [f"S{p.dim}" if isinstance(p, Shard) else "R" for p in t.placements] \
+            if hasattr(t, "placements") else None
+    return sorted((list(t.shape), str(t.dtype).removeprefix("torch."), placements(t))
+                  for t in _tensors(state))
+
+
 def _save(w: SnapsvcStorageWriter, state: dict, root, step: int) -> None:
     dcp.async_save(state, storage_writer=w,
                    checkpoint_id=root / f"step_{step}").result(timeout=60)
@@ -101,6 +126,7 @@ def test_kept_stage_plan_is_made_again_at_each_change(world1, tmp_path, change):
     got = _zeroed(after)
     dcp.load(got, storage_reader=SnapsvcStorageReader(root / "step_3"))
     assert _same(got, after), (got, after)
+    assert _recorded(root / "step_3") == _live(after)   # shapes, dtypes, placements
 
 
 @pytest.mark.timeout(120)
