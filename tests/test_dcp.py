@@ -351,20 +351,23 @@ def test_reader_reads_a_distributed_snapshot_writer_state_and_names_what_it_cann
     assert torch.equal(got["w"].to_local(), before)
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "name"])
-def test_kept_write_items_follow_every_change_dcp_would_plan(change):
-    """Placeholders keeps a tensor's write items between stages only while its key, class,
+def test_kept_write_items_follow_every_change_dcp_would_plan(world1, tmp_path, change):
+    """stage() keeps a tensor's write items between stages only while its key, class,
     shape, dtype and requires_grad hold: each change gives DCP's items for the new tensor."""
     from torch.distributed.checkpoint.planner_helpers import _create_write_items
-    from snapsvc.dcp.staged import Placeholders
-    make = Placeholders()
-    t = torch.zeros(4, 3)
-    first = make({"m": {"t": t}}, 1)["m"]["t"]
-    assert make({"m": {"t": t}}, 2)["m"]["t"].items is first.items   # kept
-    new = {"shape": torch.zeros(5, 3), "dtype": torch.zeros(4, 3, dtype=torch.float64),
-           "requires_grad": torch.zeros(4, 3, requires_grad=True), "name": t}[change]
-    key = "u" if change == "name" else "t"
-    staged = make({"m": {key: new}}, 3)["m"][key]
+    w = SnapsvcStorageWriter(tmp_path / "step_1", coord_timeout=60, slots=3)  # 3 held
+    try:
+        t = torch.zeros(4, 3)
+        first = w.stage({"m": {"t": t}})["m.t"]
+        assert w.stage({"m": {"t": t}})["m.t"].items is first.items   # kept
+        new = {"shape": torch.zeros(5, 3), "dtype": torch.zeros(4, 3, dtype=torch.float64),
+               "requires_grad": torch.zeros(4, 3, requires_grad=True), "name": t}[change]
+        key = "u" if change == "name" else "t"
+        staged = w.stage({"m": {key: new}})[f"m.{key}"]
+    finally:
+        w.close()
     assert staged.items is not first.items
     assert staged.__create_write_items__(f"m.{key}", None) == _create_write_items(f"m.{key}", new)
 

@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..distributed.shards import _state_plan
 from ..distributed.writer import DistributedSnapshotWriter
 from ..engine.dispatch import Held, release_held
 from .layout import _Refusal, is_step_path, metadata_token, step_of
 from ..remote.url import is_url
 from .relay import Relay, call
-from .staged import Placeholders, ticket_of
+from .kept import StagePlan
+from .staged import ticket_of
 
 __all__ = ["SnapsvcStorageWriter"]
 
@@ -83,20 +85,22 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}   # staged copies by ticket, not yet written
         self._ticket = 0
-        self._placeholders = Placeholders()
+        self._plan = StagePlan()   # kept across stage() calls while the state holds
         self._relay: Relay | None = None
         self._remote_call: tuple[str, bytes, float] | None = None   # in DCP's checkpoint process
 
     # -- DCP's AsyncStager ---------------------------------------------------------
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """Copy the rank's pieces of the state into a slot; return once copied, with
-        tickets in place of the tensors."""
+        tickets in place of the tensors (DCP's flattened state: ``{"a.b": ...}``)."""
         writer = self._ensure_writer()
         with self._lock:
             self._ticket += 1
             ticket = self._ticket
-        staged = self._placeholders(state_dict, ticket)   # refuses what DCP cannot plan, first
-        held = writer._hold(state_dict)
+        # planned first: what DCP cannot plan is refused before a slot is taken
+        staged, planned = self._plan(state_dict, ticket, writer.rank, writer._shard_memo,
+                                     _state_plan)
+        held = writer._hold(state_dict, planned)
         with self._lock:
             self._held[ticket] = held
         return staged
