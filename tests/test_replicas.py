@@ -236,3 +236,102 @@ def test_holder_without_room_is_passed_over(tmp_path):
         assert [s for s, (own, reps) in last.items() if own or reps] == ["6", "7"], (r, last)
         assert all(last[s][0] for s in ("6", "7"))
     assert results[2]["after"]["7"]["7"][1] == [0, 1]   # node C holds A's and B's now
+
+
+# -- world 6 as 3 nodes x 2 ranks: one node lost, then two ---------------------------------
+NODE6 = {0: "A", 1: "A", 2: "B", 3: "B", 4: "C", 5: "C"}   # replicas: A->B, B->C, C->A
+
+
+def _lose(w, d, rank, world, steps, disk_too):
+    """This rank's node is lost: its sidecar, its RAM copies and held replicas (and its
+    disk files of ``disk_too``), then every trainer of the world dies."""
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.files.ramtier import drop, held
+    os.kill(w.writer.pid, signal.SIGKILL)
+    for n in steps:
+        own = held(os.path.join(d, f"step_{n}", f"rank{rank}.fdl"))
+        if own is not None:
+            drop(own)
+        for ram in held_by(d, n, rank, world).values():
+            drop(ram)
+    for n in disk_too:
+        for p in glob.glob(os.path.join(d, f"step_{n}", f"rank{rank}.*")):
+            os.unlink(p)
+
+
+def _save(w, model, opt, tmp, rank, steps):
+    handles = {}
+    for step, persist in steps:
+        _train(model, opt)
+        handles[step] = w.submit(model, step, optimizer=opt, persist=persist)
+        torch.save(_state(model, opt), os.path.join(tmp, f"expect{step}_{rank}.pt"))
+    for h in handles.values():
+        h.result(30)
+        h.replicated(timeout=30)
+
+
+def _restore_check(w, d, tmp, rank, model, opt):
+    import snapsvc
+    path = snapsvc.latest_checkpoint(d)
+    snapsvc.restore_distributed(path, model, opt)
+    name = "expect" + os.path.basename(path).removeprefix("step_")
+    assert_bit_identical(_state(model, opt), torch.load(os.path.join(tmp, f"{name}_{rank}.pt")),
+                         f"rank {rank}")
+    return os.path.basename(path)
+
+
+def scenario_six(rank, world, tmp, phase):
+    import snapsvc
+    os.environ["SNAPSVC_NODE"] = NODE6[rank]
+    d = os.path.join(tmp, "ckpt")
+    model, opt = _trainer(rank, {"save": 1, "one": 2, "two": 3}[phase])
+    w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S,
+                                          coord_timeout=30).start()
+    out = {"attached": w.writer.attached is not None}   # took over a lingering sidecar
+    if phase == "save":   # then node C is lost, its disk files of step 10 too
+        _save(w, model, opt, tmp, rank, ((10, True), (20, False)))
+        if NODE6[rank] == "C":
+            _lose(w, d, rank, world, (10, 20), disk_too=(10,))
+    elif phase == "one":   # resume step 20 from RAM; save 30 and 40; nodes B and C are lost
+        _train(model, opt)
+        out["path"] = _restore_check(w, d, tmp, rank, model, opt)
+        _save(w, model, opt, tmp, rank, ((30, True), (40, False)))
+        if NODE6[rank] in "BC":
+            _lose(w, d, rank, world, (10, 20, 30, 40), disk_too=())
+    else:   # step 40 lost rank 2's and 3's every copy: step 30, from disk
+        _train(model, opt)
+        out["path"] = _restore_check(w, d, tmp, rank, model, opt)
+        w.close()
+        return out
+    write_result(tmp, rank, out)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(420)
+def test_world6_one_node_then_two(tmp_path):
+    """World 6 as 3 nodes x 2 ranks, replicas=1. Node C is lost after step 10 (persisted)
+    and 20 (memory-only), its disk files with it: the new world resumes step 20 from RAM,
+    bit-exactly (node C's files from node A's replicas). It saves 30 (persisted) and 40
+    (memory-only); nodes B and C are lost (node B's step 40 was held only by B and C):
+    the next world falls back to step 30, from disk, bit-exactly."""
+    try:
+        for phase, check in (("save", False), ("one", False), ("two", True)):
+            for f in glob.glob(str(tmp_path / "result*.json")) + [str(tmp_path / "rendezvous")]:
+                if os.path.exists(f):   # a new world: a fresh rendezvous
+                    os.unlink(f)
+            codes, results = run_world(tmp_path, 6, scenario_six, run_s=130, check_shm=check,
+                                       phase=phase)
+            assert codes == ([0] * 6 if phase == "two" else [-signal.SIGKILL] * 6), codes
+            if phase == "one":
+                assert {r["path"] for r in results} == {"step_20"}
+                assert [r["attached"] for r in results] == [True] * 4 + [False] * 2
+            if phase == "two":
+                assert {r["path"] for r in results} == {"step_30"}
+                assert [r["attached"] for r in results] == [True] * 2 + [False] * 4
+    finally:   # a failed run must not leave replicas in the tmpfs
+        from snapsvc.distributed.replicas import held_by
+        from snapsvc.files.ramtier import drop
+        for n in (10, 20, 30, 40):
+            for holder in range(6):
+                for ram in held_by(str(tmp_path / "ckpt"), n, holder, 6).values():
+                    drop(ram)
