@@ -173,3 +173,165 @@ def _node_loss(tmp_path):
     assert "step 20: rank 2's file from rank 0's replica RAM" in log0
     assert "step 20: rank 0's file from rank 0's own RAM" in log0
     assert "step 20: rank 2's file from rank 0's RAM, over the gloo group" in log2
+
+
+# -- a holder that cannot hold is passed over; what stays in RAM follows completeness ------
+FOUR_NODES = {0: "A", 1: "B", 2: "C", 3: "D"}   # one rank per node: ring 0->1->2->3->0
+KIB = 1024
+
+
+def scenario_pass_over(rank, world, tmp):
+    import snapsvc
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.files.ramtier import held
+    os.environ["SNAPSVC_NODE"] = FOUR_NODES[rank]
+    logging.basicConfig(level=logging.WARNING, filename=os.path.join(tmp, f"log{rank}.txt"))
+    d = os.path.join(tmp, "ckpt")
+    # rank 1 (node B) has room for two of rank 0's 256 KiB replicas, not for a 1 MiB one
+    limit = {"memory_limit": 640 * KIB} if rank == 1 else {}
+    w = snapsvc.DistributedSnapshotWriter(d, replicas=1, coord_timeout=30, **limit)
+    out: dict = {"replicated": {}, "after": {}}
+    with w:
+        for step in range(1, 8):
+            n = (256 if step != 5 else 1024) * KIB // 4 if rank == 0 else 16
+            h = w.submit({"w": torch.full((n,), float(step))}, step, persist=False)
+            h.result(30)
+            try:
+                out["replicated"][step] = h.replicated(timeout=30)
+            except snapsvc.SnapsvcError as e:
+                out["replicated"][step] = str(e)
+            # what this rank holds once the step's round is over, per step so far
+            out["after"][step] = {n: [held(os.path.join(d, f"step_{n}", f"rank{rank}.fdl"))
+                                      is not None, sorted(held_by(d, n, rank, world))]
+                                  for n in range(1, step + 1)}
+    with open(os.path.join(tmp, f"log{rank}.txt")) as f:
+        out["log"] = f.read()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_holder_without_room_is_passed_over(tmp_path):
+    """World 4 as 4 nodes. Rank 1 (node B) holds rank 0's replicas within its
+    memory_limit, dropping the steps older than the newest complete one first; at
+    step 5 rank 0's replica no longer fits beside the newest complete step (4), which
+    is never dropped: step 5's replicated() names rank 1 and the limit, and from step
+    6 on rank 0's replica goes to node C, with one warning. Steps leave RAM only once
+    two newer steps are complete (keep_in_memory=2), on every rank."""
+    codes, results = run_world(tmp_path, 4, scenario_pass_over, run_s=110)
+    assert codes == [0] * 4
+    r0 = results[0]["replicated"]
+    assert [r0[str(s)] for s in (1, 2, 3, 4)] == [[1]] * 4
+    assert "rank 1 (node B)" in r0["5"] and "memory_limit=655360" in r0["5"]
+    assert r0["6"] == [2] and r0["7"] == [2]
+    assert [results[r]["replicated"]["7"] for r in (1, 2, 3)] == [[2], [3], [0]]
+    assert results[0]["log"].count("could not hold rank 0's replica") == 1
+    held1 = results[1]["after"]
+    # under its limit, rank 1 dropped step 1's replica for step 3's (2 is the newest
+    # complete then), and kept step 4's through step 5's refusal
+    assert held1["3"]["1"][1] == [] and held1["3"]["2"][1] == [0] and held1["3"]["3"][1] == [0]
+    assert "drops its RAM copies of step 1" in results[1]["log"]
+    assert held1["5"]["4"][1] == [0] and held1["5"]["5"][1] == []
+    for r in range(4):   # after step 7: steps 6 and 7 only, own copies and replicas
+        last = results[r]["after"]["7"]
+        assert [s for s, (own, reps) in last.items() if own or reps] == ["6", "7"], (r, last)
+        assert all(last[s][0] for s in ("6", "7"))
+    assert results[2]["after"]["7"]["7"][1] == [0, 1]   # node C holds A's and B's now
+
+
+# -- world 6 as 3 nodes x 2 ranks: one node lost, then two ---------------------------------
+NODE6 = {0: "A", 1: "A", 2: "B", 3: "B", 4: "C", 5: "C"}   # replicas: A->B, B->C, C->A
+
+
+def _lose(w, d, rank, world, steps, disk_too):
+    """This rank's node is lost: its sidecar, its RAM copies and held replicas (and its
+    disk files of ``disk_too``), then every trainer of the world dies."""
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.files.ramtier import drop, held
+    os.kill(w.writer.pid, signal.SIGKILL)
+    for n in steps:
+        own = held(os.path.join(d, f"step_{n}", f"rank{rank}.fdl"))
+        if own is not None:
+            drop(own)
+        for ram in held_by(d, n, rank, world).values():
+            drop(ram)
+    for n in disk_too:
+        for p in glob.glob(os.path.join(d, f"step_{n}", f"rank{rank}.*")):
+            os.unlink(p)
+
+
+def _save(w, model, opt, tmp, rank, steps):
+    handles = {}
+    for step, persist in steps:
+        _train(model, opt)
+        handles[step] = w.submit(model, step, optimizer=opt, persist=persist)
+        torch.save(_state(model, opt), os.path.join(tmp, f"expect{step}_{rank}.pt"))
+    for h in handles.values():
+        h.result(30)
+        h.replicated(timeout=30)
+
+
+def _restore_check(w, d, tmp, rank, model, opt):
+    import snapsvc
+    path = snapsvc.latest_checkpoint(d)
+    snapsvc.restore_distributed(path, model, opt)
+    name = "expect" + os.path.basename(path).removeprefix("step_")
+    assert_bit_identical(_state(model, opt), torch.load(os.path.join(tmp, f"{name}_{rank}.pt")),
+                         f"rank {rank}")
+    return os.path.basename(path)
+
+
+def scenario_six(rank, world, tmp, phase):
+    import snapsvc
+    os.environ["SNAPSVC_NODE"] = NODE6[rank]
+    d = os.path.join(tmp, "ckpt")
+    model, opt = _trainer(rank, {"save": 1, "one": 2, "two": 3}[phase])
+    w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S,
+                                          coord_timeout=30).start()
+    out = {"attached": w.writer.attached is not None}   # took over a lingering sidecar
+    if phase == "save":   # then node C is lost, its disk files of step 10 too
+        _save(w, model, opt, tmp, rank, ((10, True), (20, False)))
+        if NODE6[rank] == "C":
+            _lose(w, d, rank, world, (10, 20), disk_too=(10,))
+    elif phase == "one":   # resume step 20 from RAM; save 30 and 40; nodes B and C are lost
+        _train(model, opt)
+        out["path"] = _restore_check(w, d, tmp, rank, model, opt)
+        _save(w, model, opt, tmp, rank, ((30, True), (40, False)))
+        if NODE6[rank] in "BC":
+            _lose(w, d, rank, world, (10, 20, 30, 40), disk_too=())
+    else:   # step 40 lost rank 2's and 3's every copy: step 30, from disk
+        _train(model, opt)
+        out["path"] = _restore_check(w, d, tmp, rank, model, opt)
+        w.close()
+        return out
+    write_result(tmp, rank, out)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(420)
+def test_world6_one_node_then_two(tmp_path):
+    """World 6 as 3 nodes x 2 ranks, replicas=1. Node C is lost after step 10 (persisted)
+    and 20 (memory-only), its disk files with it: the new world resumes step 20 from RAM,
+    bit-exactly (node C's files from node A's replicas). It saves 30 (persisted) and 40
+    (memory-only); nodes B and C are lost (node B's step 40 was held only by B and C):
+    the next world falls back to step 30, from disk, bit-exactly."""
+    try:
+        for phase, check in (("save", False), ("one", False), ("two", True)):
+            for f in glob.glob(str(tmp_path / "result*.json")) + [str(tmp_path / "rendezvous")]:
+                if os.path.exists(f):   # a new world: a fresh rendezvous
+                    os.unlink(f)
+            codes, results = run_world(tmp_path, 6, scenario_six, run_s=130, check_shm=check,
+                                       phase=phase)
+            assert codes == ([0] * 6 if phase == "two" else [-signal.SIGKILL] * 6), codes
+            if phase == "one":
+                assert {r["path"] for r in results} == {"step_20"}
+                assert [r["attached"] for r in results] == [True] * 4 + [False] * 2
+            if phase == "two":
+                assert {r["path"] for r in results} == {"step_30"}
+                assert [r["attached"] for r in results] == [True] * 2 + [False] * 4
+    finally:   # a failed run must not leave replicas in the tmpfs
+        from snapsvc.distributed.replicas import held_by
+        from snapsvc.files.ramtier import drop
+        for n in (10, 20, 30, 40):
+            for holder in range(6):
+                for ram in held_by(str(tmp_path / "ckpt"), n, holder, 6).values():
+                    drop(ram)

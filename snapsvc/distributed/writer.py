@@ -60,7 +60,7 @@ from .commit import Coordinator
 from .coord import _all_gather_msg, _new_group, _rank_and_world
 from .handles import DistributedWriteHandle, DistributedWriteReport, _Item
 from .manifest import MANIFEST_NAME, _rank_file, step_dir
-from .replicas import Replicator, node_id
+from .replicas import Keeper, Replicator, node_id
 from .shards import SHARDS_KEY, ShardMemo, _holds_dtensor, _is_sharded, _shard_plan, \
     _state_plan
 from .uploads import Uploads, upload_wait
@@ -69,6 +69,10 @@ __all__ = ["DistributedSnapshotWriter", "DistributedWriteHandle", "DistributedWr
 
 log = logging.getLogger("snapsvc")
 
+
+# with replicas the sidecar drops no RAM copy by count: the Keeper drops steps once newer
+# ones are complete in RAM (committed and replicated), which the sidecar cannot see
+_SIDECAR_KEEP = 1 << 20
 
 _live: "weakref.WeakSet[DistributedSnapshotWriter]" = weakref.WeakSet()
 
@@ -109,7 +113,8 @@ class DistributedSnapshotWriter:
 
     ``replicas=k``: each rank's snapshot also in the RAM of k ranks on other nodes
     (``handle.replicated()``); ``persist_every``, ``linger``: as for SnapshotWriter,
-    per rank; ``keep_in_memory`` 2 unless given. See docs/distributed.md, "Peer replicas".
+    per rank; ``keep_in_memory`` 2 unless given (with replicas: steps complete in RAM);
+    ``memory_limit`` also bounds held replicas. See docs/distributed.md, "Peer replicas".
 
     A context manager like SnapshotWriter; :meth:`close` drains, then stops
     the sidecar. Close it before ``dist.destroy_process_group()``.
@@ -157,7 +162,7 @@ class DistributedSnapshotWriter:
                              " only: pass the same remote on every rank")
         # remote_keep_last is not the per-rank writer's: its series rule would take
         # rank0.fdl and rank1.fdl of one step for one series; Uploads rotates whole steps
-        writer_options.setdefault("keep_in_memory", 2)   # step_<N>/ are one RAM series
+        keeper = _keeper(self, writer_options)   # step_<N>/ are one RAM series
         self._writer = SnapshotWriter(self.directory, remote=self.remote,
                                       remote_timeout=remote_timeout,
                                       remote_options=remote_options, linger=linger,
@@ -169,9 +174,9 @@ class DistributedSnapshotWriter:
         if self.remote is not None:
             self._upload_group, self._uploads = _start_uploads(
                 self, process_group, remote_timeout, remote_options, remote_keep_last)
-        self._replicator = replicator = None if not self.replicas else Replicator(
+        self._replicator = replicator = None if keeper is None else Replicator(
             self.directory, _new_group(process_group, self.coord_timeout), self.rank,
-            self.world_size, self.replicas, node_id(), self.coord_timeout)
+            self.world_size, self.replicas, node_id(), self.coord_timeout, keeper)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
                                   on_commit=None if self._uploads is None else self._uploads.add,
@@ -374,6 +379,16 @@ class DistributedSnapshotWriter:
             uploads.update(self._replicator.counts)
         return {**self._coord.counts, **uploads, "broken": self._coord.broken is not None,
                 "writer": self._writer.stats()}
+
+
+def _keeper(w: DistributedSnapshotWriter, writer_options: dict[str, Any]) -> Keeper | None:
+    """With replicas, what decides which steps stay in RAM (the sidecar then drops
+    none by count); ``keep_in_memory`` is 2 unless given, with or without."""
+    keep = writer_options.setdefault("keep_in_memory", 2)
+    if not w.replicas:
+        return None
+    writer_options["keep_in_memory"] = _SIDECAR_KEEP
+    return Keeper(w.directory, w.rank, w.world_size, keep, writer_options.get("memory_limit"))
 
 
 def _start_uploads(w: DistributedSnapshotWriter, process_group: Any, remote_timeout: float,

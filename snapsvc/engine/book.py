@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import BrokenWriterError, WriteFailedError, WriterClosedError
-from ..files.ramtier import ram_series
+from ..files.ramtier import held, ram_series
 from ..format import protocol
 from .handles import WriteHandle, WriteReport
 from .pools import Slot
@@ -189,6 +189,7 @@ class Book:
         if path in mine:
             mine.remove(path)
         mine.append(path)
+        mine[:-1] = [p for p in mine[:-1] if held(p) is not None]   # dropped by their trainer
         del mine[:-self.ram_keep]
 
     def upload_done(self, msg: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
-from ..files.metafile import Meta, checkpoint_names, optim_path, write_with_meta
+from ..files.metafile import Meta, checkpoint_names, meta_path, optim_path, write_with_meta
 from ..files.ramtier import drop, ram_path, ram_series, series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
@@ -166,7 +166,10 @@ class Files:
         self.origin[ram] = path
         self.sizes.pop(ram, None)
         self.sizes[ram] = _size(ram)  # the newest, last
-        for old in mine[:-self.keep_in_memory]:
+        # the copies its trainer dropped (a distributed writer with replicas drops steps
+        # once newer ones are complete in RAM) are no longer held
+        gone = [old for old in mine[:-1] if not os.path.exists(meta_path(old))]
+        for old in gone + mine[:-self.keep_in_memory]:
             self._forget(old)
         return []
 

@@ -18,9 +18,16 @@ own bytes and metadata, so a read checks a replica's CRC-32s as the origin's.
 
 Lifetime: a replica is a file in tmpfs that outlives a killed trainer (what a
 lost node's peers serve); the next writer of that rank on the directory
-adopts it, and a clean ``close()`` drops the replicas the rank holds. Per
-origin, a holder keeps the two newest steps (the newest may still be
-arriving while the one before is the newest complete in RAM).
+adopts it, and a clean ``close()`` drops the replicas the rank holds. What
+stays in RAM follows the steps complete in RAM (:mod:`.keep`): each round ends
+with an exchange saying whether every replica of the step was placed.
+
+Loss of a holder: a holder that cannot hold a replica answers why; the
+origin's ``replicated()`` raises naming it, the closing exchange tells every
+rank, and from the next step on the placement passes it over (the copy goes to
+the next node of the ring), with one warning per origin. A transfer that fails
+(a peer process died: the group's state is unknown) stops replication for this
+writer; its coordinator fails the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import queue
 import re
 import socket
 import threading
-from typing import Any, Sequence
+import time
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +52,7 @@ from ...files.ramtier import drop, held, ram_path
 from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
-from ..manifest import step_dir, step_number
+from ..manifest import step_dir
 
 __all__ = ["node_id", "place_replicas", "replica_file", "Replicator", "NODE_ENV"]
 
@@ -52,7 +60,6 @@ log = logging.getLogger("snapsvc")
 
 NODE_ENV = "SNAPSVC_NODE"
 REPLICA_DIR = ".replicas"
-_KEEP = 2          # steps kept per origin by a holder
 _RANK_NAME = re.compile(r"rank(\d+)\.fdl(\.gz)?$")
 
 
@@ -65,14 +72,17 @@ def node_id() -> str:
     return socket.gethostname()
 
 
-def place_replicas(nodes: Sequence[str], origin: int, k: int) -> list[int]:
+def place_replicas(nodes: Sequence[str], origin: int, k: int,
+                   gone: Collection[int] = ()) -> list[int]:
     """The ranks that hold ``origin``'s ``k`` replicas, given each rank's node.
 
     A ring over the distinct nodes (in order of their first rank): copy j
     (1-based) goes to the node j after ``origin``'s, to the rank at the same
     position inside it (modulo its size). When there are fewer other nodes
     than ``k``, the rest go to other ranks of any node, nearest rank first;
-    never to ``origin`` itself, never twice to one rank.
+    never to ``origin`` itself, never twice to one rank. The ranks in ``gone``
+    (holders that could not hold) are passed over: a node left without any
+    drops out of the ring, and the copy goes to the next node.
     """
     if k <= 0 or len(nodes) <= 1:
         return []
@@ -80,15 +90,17 @@ def place_replicas(nodes: Sequence[str], origin: int, k: int) -> list[int]:
     members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
     home = order.index(nodes[origin])
     position = members[nodes[origin]].index(origin)
+    ring = [order[(home + j) % len(order)] for j in range(1, len(order))]
+    ring = [n for n in ring if any(r not in gone for r in members[n])]
     out: list[int] = []
-    for j in range(1, min(k, len(order) - 1) + 1):
-        ranks = members[order[(home + j) % len(order)]]
+    for node in ring[:k]:
+        ranks = [r for r in members[node] if r not in gone]
         out.append(ranks[position % len(ranks)])
     for step in range(1, len(nodes)):   # not enough nodes: other ranks, by distance
         if len(out) >= k:
             break
         r = (origin + step) % len(nodes)
-        if r not in out:
+        if r not in out and r not in gone:
             out.append(r)
     return out
 
@@ -145,8 +157,9 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
-def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> None:
-    """The files ``paths`` (any may be missing) to ``peer``: a header, then each file's bytes."""
+def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> int:
+    """The files ``paths`` (any may be missing) to ``peer``: a header, then each file's
+    bytes; the bytes of the files sent."""
     present = [p for p in paths if os.path.exists(p)] if error is None else []
     sizes = [os.path.getsize(p) for p in present]
     _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
@@ -155,6 +168,7 @@ def send_files(paths: list[str], peer: int, group: Any, error: str | None = None
         # read by torch straight into the tensor sent: one copy
         _send_bytes(torch.from_file(p, shared=False, size=n, dtype=torch.uint8) if n
                     else b"", peer, group)
+    return sum(sizes)
 
 
 def recv_files(peer: int, group: Any) -> tuple[dict[str, torch.Tensor], str | None]:
@@ -190,39 +204,30 @@ class Replicator:
     """This rank's replication thread (see the module docstring)."""
 
     def __init__(self, directory: str, group: Any, rank: int, world_size: int, replicas: int,
-                 node: str, timeout: float) -> None:
+                 node: str, timeout: float, keeper: Any) -> None:
         from ..coord import _all_gather_msg
         self.directory = directory
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.replicas = replicas
         self.timeout = timeout
+        self.keeper = keeper   # a .keep.Keeper: what stays in RAM
         self.nodes: list[str] = _all_gather_msg(node, world_size, group)   # a collective
+        self.gone: set[int] = set()   # holders that could not hold, agreed: passed over
         self.placement = [place_replicas(self.nodes, r, replicas) for r in range(world_size)]
         if replicas and len(set(self.nodes)) <= min(replicas, world_size - 1):
             log.warning("snapsvc: replicas=%d but only %d node(s): some replicas share a node "
                         "with their origin", replicas, len(set(self.nodes)))
         self.queue: "queue.Queue[tuple[Any, str] | None]" = queue.Queue()
         self.broken: str | None = None
-        self.kept: dict[int, list[int]] = {}   # origin -> steps held, oldest first
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
         self.thread: threading.Thread | None = None
-        self._adopt()
 
     @property
     def holders(self) -> list[int]:
         """The ranks holding this rank's replicas."""
         return self.placement[self.rank]
-
-    def _adopt(self) -> None:
-        """The replicas an earlier trainer of this rank left: kept track of (and rotated)."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return
-        for n in sorted(s for s in map(step_number, names) if s is not None):
-            for origin in held_by(self.directory, n, self.rank, self.world_size):
-                self.kept.setdefault(origin, []).append(n)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="snapsvc-replicas", daemon=True)
@@ -250,16 +255,10 @@ class Replicator:
         return []
 
     def drop_all(self) -> None:
-        """A clean close: every replica this rank holds goes."""
-        for origin, steps in self.kept.items():
-            for n in steps:
-                self._drop(origin, n)
-        self.kept.clear()
-
-    def _drop(self, origin: int, step: int) -> None:
-        for name in (f"rank{origin}.fdl", f"rank{origin}.fdl.gz"):
-            ram = ram_path(replica_file(self.directory, step, self.rank, name))
-            if ram is not None and os.path.exists(meta_path(ram)):
+        """A clean close: every replica this rank holds goes (those an earlier
+        trainer of this rank left included)."""
+        for n in self.keeper._steps():
+            for ram in held_by(self.directory, n, self.rank, self.world_size).values():
                 drop(ram)
 
     def _run(self) -> None:
@@ -280,17 +279,21 @@ class Replicator:
                     f"{self.holders}: {_reason(e)}"))
 
     def _one(self, handle: Any, file: str) -> None:
-        import time
+        """One step's round: every (origin, holder) pair in the same order on every
+        rank, then a closing exchange: which holders could not hold (passed over
+        from the next step on), and whether the step is complete in RAM."""
+        from ..coord import _all_gather_msg
         step, group = handle.step, self.group
         source = held(file) or file   # its RAM copy (persist=False), else the disk
         problems: dict[int, str] = {}
         t0, sent = time.monotonic(), 0
-        for origin, holders in enumerate(self.placement):
-            for h in holders:
+        holders = list(self.holders)
+        for origin, placed in enumerate(self.placement):
+            for h in placed:
                 if origin == self.rank:
-                    paths = [p for p in checkpoint_names(source)]
-                    send_files(paths, h, group)
-                    sent += sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+                    paths = checkpoint_names(source)
+                    # whole files, each one tensor over the file's pages (no copy in Python)
+                    sent += send_files(paths, h, group)
                     answer = unpack_value(bytes(_recv_bytes(h, group).tolist()))
                     if answer is not None:
                         problems[h] = answer
@@ -298,14 +301,41 @@ class Replicator:
                     _send_bytes(pack_value(self._receive(origin, step)), origin, group)
         self.counts["replica_s"] += time.monotonic() - t0
         self.counts["replica_bytes"] += sent
-        if problems:
+        short = len(holders) < min(self.replicas, self.world_size - 1)
+        tables = _all_gather_msg({"failed": sorted(problems), "short": short},
+                                 self.world_size, group)
+        if not any(t["failed"] or t["short"] for t in tables):
+            self.keeper.completed(step)
+        self._pass_over({h for t in tables for h in t["failed"]}, step)
+        if problems or short:
+            why = "; ".join(f"rank {h} (node {self.nodes[h]}): {problems[h]}"
+                            for h in sorted(problems))
+            if short:
+                why = "; ".join(filter(None, [why, f"only {len(holders)} of {self.replicas} "
+                                              "replica(s) placed: no other live node can "
+                                              "hold one"]))
             _fail(handle, SnapsvcError(
-                f"step {step}: the replica of rank {self.rank} could not be placed on " +
-                "; ".join(f"rank {h} (node {self.nodes[h]}): {why}"
-                          for h, why in sorted(problems.items()))))
+                f"step {step}: the replica of rank {self.rank} could not be placed on {why}"))
             return
         self.counts["replicated"] += 1
-        _resolve(handle, list(self.holders))
+        _resolve(handle, holders)
+
+    def _pass_over(self, failed: set[int], step: int) -> None:
+        """The holders in ``failed`` (every rank's same set) hold no more replicas:
+        each origin they served re-replicates to another live node from the next
+        step on, and says so once."""
+        new = failed - self.gone
+        if not new:
+            return
+        self.gone |= new
+        before = self.holders
+        self.placement = [place_replicas(self.nodes, r, self.replicas, self.gone)
+                          for r in range(self.world_size)]
+        if before != self.holders:
+            log.warning("snapsvc: rank(s) %s could not hold rank %d's replica of step %d; "
+                        "from the next step on it goes to rank(s) %s (node(s) %s)",
+                        sorted(new & set(before)), self.rank, step, self.holders,
+                        [self.nodes[h] for h in self.holders])
 
     def _receive(self, origin: int, step: int) -> str | None:
         """Hold ``origin``'s replica of ``step``; None, or why not."""
@@ -316,6 +346,9 @@ class Replicator:
         if len(metas) != 1:
             return f"expected one metadata file, got {sorted(files)}"
         try:
+            full = self.keeper.room(sum(t.numel() for t in files.values()))
+            if full is not None:
+                return full
             name = metas[0][:-len(".meta")]
             ram = ram_path(replica_file(self.directory, step, self.rank, name), create=True)
             if ram is None:
@@ -325,12 +358,6 @@ class Replicator:
             store_files(os.path.dirname(ram), files, metas[0])
         except (OSError, SnapsvcError) as e:
             return _reason(e)
-        steps = self.kept.setdefault(origin, [])
-        if step not in steps:
-            steps.append(step)
-        for old in steps[:-_KEEP]:
-            steps.remove(old)
-            self._drop(origin, old)
         return None
 
 
