@@ -353,14 +353,12 @@ class DistributedSnapshotWriter:
         return handle
 
     def _hold(self, state: Mapping[Any, Any], planned: tuple | None = None) -> Held:
-        """Copy this rank's pieces of a state mapping into a slot now, as :meth:`submit`
-        would, and keep it for a later ``submit(held, step)`` (snapsvc.dcp's stager).
-        ``planned``: the state's ``_state_plan``, made already (snapsvc.dcp keeps it)."""
+        """Copy this rank's pieces of a state mapping into a slot now, as submit() would, and
+        keep it for ``submit(held, step)``; ``planned``: its ``_state_plan`` (dcp keeps it)."""
         if self._closed:
             raise RuntimeError("this DistributedSnapshotWriter is closed; make a new one")
         self.start()
-        flat, records, sharded = planned if planned is not None else \
-            _state_plan(state, self.rank, self._shard_memo)
+        flat, records, sharded = planned or _state_plan(state, self.rank, self._shard_memo)
         held = hold(self._writer, cast(Any, flat))
         held.info = (records, sharded)
         return held
