@@ -148,7 +148,7 @@ def scenario_state(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-CHANGES = ("first", "trained", "round trip", "set_", "trained again")
+CHANGES = ("first", "trained", "round trip", "set_", "trained again", "renamed", "resized")
 
 
 def memo_checks(tmp: str) -> dict:
@@ -156,12 +156,19 @@ def memo_checks(tmp: str) -> dict:
     submits: each file must hold this rank's pieces as a plan made afresh has them,
     also after FSDP2 gave a parameter's DTensor a new local tensor (.to(): the same
     DTensor, the same shape and dtype, other memory) and after a local tensor was
-    given other memory in place (set_)."""
+    given other memory in place (set_); and its piece records as a fresh plan has them,
+    also after a plain tensor kept its object under a new key (renamed) and after it
+    changed shape in place (resized): the kept pieces are matched by name, tensor
+    object and the walk's shape and dtype (issue 34)."""
+    from snapsvc.distributed.manifest import read_manifest
     from snapsvc.distributed.shards import ShardMemo, _state_plan
+    rank = torch.distributed.get_rank()
     model, opt, sched = make_run(0)
     train(model, opt, sched, 1)
     # an OrderedDict, as a model's state_dict() is: its digest packs as the metadata does
-    state = {"model": model, "optim": opt, "note": collections.OrderedDict(seen=3)}
+    best = torch.arange(4.0)   # a plain tensor: rank 0 writes it
+    state = {"model": model, "optim": opt, "note": collections.OrderedDict(seen=3),
+             "best": {"a": best}}
     out = {}
     with snapsvc.DistributedSnapshotWriter(os.path.join(tmp, "memo"), coord_timeout=60) as w:
         for step, change in enumerate(CHANGES, 1):
@@ -175,11 +182,19 @@ def memo_checks(tmp: str) -> dict:
                 with torch.no_grad():
                     local = model[0].weight._local_tensor
                     local.set_(local.clone() + 1)
-            fresh, _, _ = _state_plan(state, torch.distributed.get_rank(), ShardMemo())
+            elif change == "renamed":
+                state["best"] = {"b": best}
+            elif change == "resized":
+                best.resize_(6).fill_(2.0)
+            fresh, records, _ = _state_plan(state, rank, ShardMemo())
             want = {n: t.clone() for n, t in [*fresh.params, *fresh.buffers,
                                                *((n, t) for _, n, t in fresh.rest)]}
-            got = snapsvc.read_checkpoint(w.submit(state, step).result(RESULT_S).file).entries
-            out[change] = (sorted(want) == sorted(got), mismatches(want, got))
+            file = w.submit(state, step).result(RESULT_S).file
+            got = snapsvc.read_checkpoint(file).entries
+            mine = [r for r in read_manifest(os.path.dirname(file)).ranks if r.rank == rank]
+            kept = [{k: e.get(k) for k in r} for e, r in zip(mine[0].entries or [], records)]
+            out[change] = (sorted(want) == sorted(got) and len(kept) == len(records)
+                           and kept == records, mismatches(want, got))
     return out
 
 

@@ -215,7 +215,7 @@ def test_refused_values_name_their_path_and_take_no_slot(tmp_path, value, where)
 
 
 def test_int_keys_in_extra_round_trip_and_never_kill_the_sidecar(tmp_path, net):
-    extra = {"hist": {1: 0.5, 2: (1, 2)}, 3: [b"x", None]}
+    extra = {"hist": {1: 0.5, 2: (1, 2)}, 3: [b"x", None], "ids": [2 ** 64 - 1, -(2 ** 63), 0]}
     with snapsvc.SnapshotWriter(tmp_path) as w:
         pid = w.pid
         w.submit(net, "a.fdl", extra=extra).result(timeout=60)
@@ -230,6 +230,9 @@ def test_int_keys_in_extra_round_trip_and_never_kill_the_sidecar(tmp_path, net):
     ({"extra": {"s": "\udcff"}}, EncodeError),
     ({"extra": {"big": 2 ** 70}}, EncodeError),
     ({"extra": {2 ** 70: "big key"}}, EncodeError),
+    # a list of ints alone is checked in one pass (issue 34): its bounds still hold
+    ({"extra": {"ids": [1, 2, 2 ** 64]}}, EncodeError),
+    ({"extra": {"ids": (-(2 ** 63) - 1, 0)}}, EncodeError),
 ])
 def test_bad_values_fail_before_a_slot_is_taken(tmp_path, net, kwargs, error):
     with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:

@@ -12,7 +12,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, cast
+from typing import Any, Callable, Mapping, NamedTuple, cast
 import torch
 from torch import nn
 
@@ -144,26 +144,35 @@ def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank:
 class _Pieces(NamedTuple):
     """One walk's entries and what this rank stages of each (see :class:`ShardMemo`)."""
 
-    entries: list[tuple]                  # the flattened state's, in file order
+    tensors: list[torch.Tensor]           # the flattened state's, in file order
+    names: list[str]                      # their entry names,
+    geometry: list[tuple]                 # and (kind, shape, dtype) as the walk saw them
     sources: list[torch.Tensor]           # each one's local tensor then (a plain tensor: itself)
     pieces: list[tuple[torch.Tensor, dict[str, Any]] | None]   # (piece, record), or None
     dtensors: list[Any]                   # the DTensors this rank stages a piece of,
-    dsources: list[torch.Tensor]          # and their local tensors then (those pieces)
+    dsources: list[torch.Tensor]          # and their local tensors then (those pieces),
+    dguard: Callable[[list[torch.Tensor]], bool]   # whose shapes and strides it checks
     staged: tuple[list, ...]   # params, buffers, rest, their geometry (as Flat has them), records
 
 
-_NONE = _Pieces([], [], [], [], [], ([], [], [], [], [], [], []))
+def _unchecked(tensors: list[torch.Tensor]) -> bool:
+    return False   # a walk's pieces before their guard is made: never the last walk's
+
+
+_NONE = _Pieces([], [], [], [], [], [], [], _unchecked, ([], [], [], [], [], [], []))
 
 
 class ShardMemo:
     """What the last state submit of a rank found: its walk (:class:`WalkMemo`),
-    and per entry its piece. An entry the walk reused (the same tuple: the same
-    tensor object, its shape, strides and dtype checked) keeps its piece and
-    record while a DTensor's local tensor is still the same object (FSDP2 puts a
-    new one in the same DTensor on ``load_state_dict()`` and ``.to()``). A piece
-    is that local tensor itself, copied live: one given other memory in place
-    (``set_``) is copied from there. When every entry is the last walk's, that
-    is checked in a few C-level passes."""
+    and per entry its piece. An entry of the same name, kind, shape and dtype as
+    the walk saw them (its guard checked a reused part's just now) whose tensor is
+    the same object keeps its piece and record while a DTensor's local tensor is
+    still the same object of the same shape (FSDP2 puts a new one in the same
+    DTensor on ``load_state_dict()`` and ``.to()``). The walk's entries are new
+    tuples at every submit (a kept part holds no tensor), so entries are matched
+    by name, not by tuple. A piece is that local tensor itself, copied live: one
+    given other memory in place (``set_``) is copied from there. When every entry
+    is the last walk's, that is checked in a few C-level passes."""
 
     def __init__(self) -> None:
         self.walk = WalkMemo(tensor_guard)
@@ -174,24 +183,31 @@ class ShardMemo:
         A piece has its DTensor's name, dtype and rank: checked by the walk."""
         last, is_ = self.last, operator.is_
         entries: list[tuple] = [*flat.params, *flat.buffers, *flat.rest]
-        if len(entries) == len(last.entries) and all(map(is_, entries, last.entries)) \
-                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)):
+        tensors = [e[-1] for e in entries]
+        names = [e[-2] for e in entries]
+        assert flat.geometry is not None   # a walk's Flat has it
+        geometry = [*flat.geometry[0], *flat.geometry[1], *flat.geometry[2]]
+        if len(tensors) == len(last.tensors) and all(map(is_, tensors, last.tensors)) \
+                and names == last.names and geometry == last.geometry \
+                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)) \
+                and last.dguard(last.dsources):
             return self._flat(flat, last)
-        index = {id(e): i for i, e in enumerate(last.entries)}
+        index = {n: i for i, n in enumerate(last.names)}
         dtensor = _dtensor_type() or ()   # loaded: the state holds one
-        now = _Pieces(entries, [], [], [], [], ([], [], [], [], [], [], []))
+        now = _Pieces(tensors, names, geometry, [], [], [], [], _unchecked,
+                      ([], [], [], [], [], [], []))
         *staged, records = now.staged
         n_params, n_buffers = len(flat.params), len(flat.params) + len(flat.buffers)
-        for i, entry in enumerate(entries):
-            name, t = entry[-2:]
+        for i, (name, t, geo) in enumerate(zip(names, tensors, geometry)):
             kind, to = ("param", 0) if i < n_params else ("buffer", 1) if i < n_buffers \
-                else (entry[0], 2)
+                else (entries[i][0], 2)
             is_dtensor = isinstance(t, dtensor)
             source = _LOCAL(t) if is_dtensor else t
-            j = index.get(id(entry))
-            if j is not None and last.entries[j] is entry and last.sources[j] is source:
-                piece = last.pieces[j]
-            else:
+            j = index.get(name)
+            piece = last.pieces[j] if j is not None else None
+            if j is None or last.tensors[j] is not t or last.geometry[j] != geo \
+                    or last.sources[j] is not source \
+                    or piece is not None and list(source.shape) != piece[1]["lengths"]:
                 piece = _piece(name, kind, t, rank)
             now.sources.append(source)
             now.pieces.append(piece)
@@ -203,7 +219,7 @@ class ShardMemo:
             if is_dtensor:
                 now.dtensors.append(t)
                 now.dsources.append(source)
-        self.last = now
+        self.last = now._replace(dguard=tensor_guard(now.dsources))
         return self._flat(flat, now)
 
     @staticmethod

@@ -131,18 +131,27 @@ def is_leaf(v: Any) -> bool:
     return isinstance(v, torch.Tensor) or type(v) in _PLAIN or type(v) is int
 
 
+_LEAF_TYPES = {torch.Tensor, nn.Parameter, int, *_PLAIN}
+_DICT = {dict}
+
+
+def _all_leaves(values: list) -> bool:
+    # their types in one C-level pass; a tensor subclass (DTensor) asks is_leaf
+    return set(map(type, values)) <= _LEAF_TYPES or all(map(is_leaf, values))
+
+
 def leaves(v: Mapping, kind: tuple[str, str | None] | None) -> tuple[Any, list] | None:
     """What a memo part of mapping ``v`` is checked by: (its keys, their types and
     its kind (1 == True), its leaves), where its values are all leaves (an
     optimizer's per-parameter state), or all plain dicts of leaves (an
     optimizer's whole ``state``: one part, not one per parameter); else None."""
     values = list(v.values())
-    if all(map(is_leaf, values)):
+    if _all_leaves(values):
         return (kind, tuple(v), tuple(map(type, v))), values
-    if not all(type(d) is dict for d in values):
+    if set(map(type, values)) != _DICT:
         return None
     held = [x for d in values for x in d.values()]
-    if not all(map(is_leaf, held)):
+    if not _all_leaves(held):
         return None
     return (kind, tuple(v), tuple(map(type, v)),
             tuple((tuple(d), tuple(map(type, d))) for d in values)), held
