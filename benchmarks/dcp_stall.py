@@ -1,6 +1,7 @@
 """Stall of ``dcp.async_save`` per storage writer and stager, each beside a raw copy (issue 33).
 
     PYTHONPATH=. python benchmarks/dcp_stall.py [--reps 3] [--shapes 4096x32KiB,nested4096x32KiB]
+        [--no-load]
 
 One process, a world of 1 on gloo, float32 state dicts. Flat ones, every tensor
 a top-level key (``4096x32KiB``: 4096 tensors of 32 KiB; ``64x4MiB``;
@@ -111,7 +112,7 @@ def _timed_stage(stager: Any, into: list[float]) -> None:
     stager.stage = timed
 
 
-def run(name: str, reps: int, tmp: str) -> list[str]:
+def run(name: str, reps: int, tmp: str, load: bool = True) -> list[str]:
     state = make_state(name)
     raw = RawCopy()
     stager = DefaultStager(StagingOptions(False, True, False, False))
@@ -158,8 +159,9 @@ def run(name: str, reps: int, tmp: str) -> list[str]:
         rows.append(f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
                     f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
                     f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
-        rows.append(load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
-                               os.path.join(tmp, name, "snap", f"step_{reps}")))
+        if load:
+            rows.append(load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
+                                   os.path.join(tmp, name, "snap", f"step_{reps}")))
     finally:
         snap.close()
         stager.close()
@@ -188,6 +190,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shapes", default="4096x32KiB,nested4096x32KiB,64x4MiB")
+    p.add_argument("--no-load", action="store_true", help="skip the dcp.load comparison")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -195,7 +198,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.shapes.split(","):
-                for row in run(name, args.reps, tmp):
+                for row in run(name, args.reps, tmp, not args.no_load):
                     print(row, flush=True)
     finally:
         dist.destroy_process_group()
