@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,8 @@ def _timed_stage(stager: Any, into: list[float]) -> None:
     stager.stage = timed
 
 
-def run(name: str, reps: int, tmp: str, load: bool = True) -> list[str]:
+def run(name: str, reps: int, tmp: str, load: bool = True) -> Iterator[str]:
+    """Each method's row as soon as it is measured (a run cut short keeps what it printed)."""
     state = make_state(name)
     raw = RawCopy()
     stager = DefaultStager(StagingOptions(False, True, False, False))
@@ -130,7 +131,7 @@ def run(name: str, reps: int, tmp: str, load: bool = True) -> list[str]:
             state, storage_writer=snap,
             checkpoint_id=os.path.join(tmp, name, "snap", f"step_{rep}")),
     }
-    rows, best = [], {}
+    best = {}
     try:
         for method, save in saves.items():
             stalls, durables, raws = [], [], []
@@ -153,19 +154,18 @@ def run(name: str, reps: int, tmp: str, load: bool = True) -> list[str]:
                          f"{dcp_own * 1e3:7.2f} ms")
             else:
                 stage = f"stage()  (inside){'':17}"
-            rows.append(f"{name:16} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
+            yield (f"{name:16} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
                         f"{rc * 1e3:7.2f} ms  stall/raw {s / rc:6.2f}x  durable {d * 1e3:8.1f} ms")
         s, d = best["snapsvc"]
-        rows.append(f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
+        yield (f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
                     f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
                     f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
         if load:
-            rows.append(load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
-                                   os.path.join(tmp, name, "snap", f"step_{reps}")))
+            yield load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
+                             os.path.join(tmp, name, "snap", f"step_{reps}"))
     finally:
         snap.close()
         stager.close()
-    return rows
 
 
 def load_times(name: str, state: dict, reps: int, fs_dir: str, snap_dir: str) -> str:
