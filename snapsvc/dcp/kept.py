@@ -280,6 +280,7 @@ class StagePlan:
 def _without_tensors(flat: Flat) -> Flat:
     """``flat`` with no tensor: a kept plan never keeps the state's memory alive (a
     model replaced, or FSDP2's new local tensors after ``load_state_dict()``)."""
-    return Flat([(n, None) for n, _ in flat.params], [(n, None) for n, _ in flat.buffers],
-                [(k, n, None) for k, n, _ in flat.rest], flat.tree, flat.structural_hash,
+    none: Any = None   # in each tensor's place
+    return Flat([(n, none) for n, _ in flat.params], [(n, none) for n, _ in flat.buffers],
+                [(k, n, none) for k, n, _ in flat.rest], flat.tree, flat.structural_hash,
                 flat.kinds, flat.checked, flat.geometry)
