@@ -1,6 +1,7 @@
 """Stall of ``dcp.async_save`` per storage writer and stager, each beside a raw copy (issue 33).
 
     PYTHONPATH=. python benchmarks/dcp_stall.py [--reps 3] [--shapes 4096x32KiB,nested4096x32KiB]
+        [--no-load]
 
 One process, a world of 1 on gloo, float32 state dicts. Flat ones, every tensor
 a top-level key (``4096x32KiB``: 4096 tensors of 32 KiB; ``64x4MiB``;
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,8 @@ def _timed_stage(stager: Any, into: list[float]) -> None:
     stager.stage = timed
 
 
-def run(name: str, reps: int, tmp: str) -> list[str]:
+def run(name: str, reps: int, tmp: str, load: bool = True) -> Iterator[str]:
+    """Each method's row as soon as it is measured (a run cut short keeps what it printed)."""
     state = make_state(name)
     raw = RawCopy()
     stager = DefaultStager(StagingOptions(False, True, False, False))
@@ -129,7 +131,7 @@ def run(name: str, reps: int, tmp: str) -> list[str]:
             state, storage_writer=snap,
             checkpoint_id=os.path.join(tmp, name, "snap", f"step_{rep}")),
     }
-    rows, best = [], {}
+    best = {}
     try:
         for method, save in saves.items():
             stalls, durables, raws = [], [], []
@@ -152,18 +154,18 @@ def run(name: str, reps: int, tmp: str) -> list[str]:
                          f"{dcp_own * 1e3:7.2f} ms")
             else:
                 stage = f"stage()  (inside){'':17}"
-            rows.append(f"{name:16} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
+            yield (f"{name:16} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
                         f"{rc * 1e3:7.2f} ms  stall/raw {s / rc:6.2f}x  durable {d * 1e3:8.1f} ms")
         s, d = best["snapsvc"]
-        rows.append(f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
+        yield (f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
                     f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
                     f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
-        rows.append(load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
-                               os.path.join(tmp, name, "snap", f"step_{reps}")))
+        if load:
+            yield load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
+                             os.path.join(tmp, name, "snap", f"step_{reps}"))
     finally:
         snap.close()
         stager.close()
-    return rows
 
 
 def load_times(name: str, state: dict, reps: int, fs_dir: str, snap_dir: str) -> str:
@@ -188,6 +190,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shapes", default="4096x32KiB,nested4096x32KiB,64x4MiB")
+    p.add_argument("--no-load", action="store_true", help="skip the dcp.load comparison")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -195,7 +198,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.shapes.split(","):
-                for row in run(name, args.reps, tmp):
+                for row in run(name, args.reps, tmp, not args.no_load):
                     print(row, flush=True)
     finally:
         dist.destroy_process_group()

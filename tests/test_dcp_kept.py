@@ -156,3 +156,23 @@ def test_kept_stage_plan_copies_the_tensors_and_plain_values_of_now(world1, tmp_
                                                         last["optim"]["state"])
     assert got["optim"]["param_groups"][0]["lr"] == 0.05
     assert tuple(got["optim"]["param_groups"][0]["betas"]) == (0.9, 3.0)
+
+
+@pytest.mark.timeout(120)
+def test_kept_stage_plan_keeps_no_tensor_of_the_state_alive(world1, tmp_path):
+    """The plan outlives the state it was made from: the state's tensors (here, what a
+    replaced model held) are freed as they would be without it."""
+    import gc
+    import weakref
+    root = tmp_path / "ckpt"
+    state = {"model": {"a": _values(), "w": _dt(_values(36).reshape(6, 6))}}
+    refs = [weakref.ref(state["model"]["a"]), weakref.ref(state["model"]["w"]._local_tensor)]
+    w = SnapsvcStorageWriter(root / "step_1", coord_timeout=60)
+    try:
+        _save(w, state, root, 1)
+        del state
+        gc.collect()
+        assert [r() for r in refs] == [None, None]
+        assert w._plan._kept is not None   # the plan itself is still kept
+    finally:
+        w.close()

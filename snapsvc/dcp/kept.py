@@ -131,7 +131,7 @@ class _Kept:
     paths: list[tuple]                    # their key paths in the state (and the tree)
     values: list[Any]                     # their values in the tree, as last staged
     sources: tuple[list[int], list[int], list[int]]   # per entry of the Flat: its leaf
-    flat: Flat
+    flat: Flat                            # its names, tree and geometry; no tensor
     records: list[dict[str, Any]]
     desc: dict[str, Any]
 
@@ -146,10 +146,11 @@ class StagePlan:
         self._kept: _Kept | None = None
         self.planned = 0
 
-    def __call__(self, state: Mapping[str, Any], ticket: int, rank: int, memo: Any,
-                 plan_state: Callable[..., tuple[Flat, list, dict]]
+    def __call__(self, state: Mapping[str, Any], ticket: int,
+                 plan_state: Callable[[Mapping[str, Any]], tuple[Flat, list, dict]]
                  ) -> tuple[dict[str, Any], tuple[Flat, list, dict]]:
-        """(DCP's staged state, (Flat, records, description) for the rank's hold)."""
+        """(DCP's staged state, (Flat, records, description) for the rank's hold);
+        ``plan_state(state)`` plans what the rank stages when no kept plan holds."""
         outline: list = []
         leaves: list = []
         _walk(state, outline, leaves, None)
@@ -159,7 +160,7 @@ class StagePlan:
             if got is not None:
                 return got
         self._kept = None
-        return self._plan(state, ticket, rank, memo, plan_state)
+        return self._plan(state, ticket, plan_state)
 
     def _reuse(self, kept: _Kept, outline: list, leaves: list, ticket: int
                ) -> tuple[dict[str, Any], tuple[Flat, list, dict]] | None:
@@ -207,8 +208,8 @@ class StagePlan:
                      (list(f.geometry[0]), list(f.geometry[1]), list(f.geometry[2])))
         return flat, kept.records, copy.deepcopy(kept.desc)
 
-    def _plan(self, state: Mapping[str, Any], ticket: int, rank: int, memo: Any,
-              plan_state: Callable[..., tuple[Flat, list, dict]]
+    def _plan(self, state: Mapping[str, Any], ticket: int,
+              plan_state: Callable[[Mapping[str, Any]], tuple[Flat, list, dict]]
               ) -> tuple[dict[str, Any], tuple[Flat, list, dict]]:
         self.planned += 1
         dcp_flat, _ = flatten_state_dict(dict(state))
@@ -226,7 +227,7 @@ class StagePlan:
             no_write = is_dtensor(value) and d.device_mesh.get_coordinate() is None
             items_of[fqn] = [] if no_write else _create_write_items(fqn, value)
             staged[fqn] = StagedTensor(ticket, items_of[fqn])
-        planned = plan_state(state, rank, memo)
+        planned = plan_state(state)
         self._kept = self._keep(state, dcp_flat, items_of, planned)
         return staged, planned
 
@@ -273,4 +274,13 @@ class StagePlan:
                      tensor_guard(ts), dtensors,
                      [(d.device_mesh, d.placements) for d in dts],
                      tensor_guard(list(map(_LOCAL, dts))), plain, [paths[i] for i in plain],
-                     values, sources, flat, records, desc)
+                     values, sources, _without_tensors(flat), records, desc)
+
+
+def _without_tensors(flat: Flat) -> Flat:
+    """``flat`` with no tensor: a kept plan never keeps the state's memory alive (a
+    model replaced, or FSDP2's new local tensors after ``load_state_dict()``)."""
+    none: Any = None   # in each tensor's place
+    return Flat([(n, none) for n, _ in flat.params], [(n, none) for n, _ in flat.buffers],
+                [(k, n, none) for k, n, _ in flat.rest], flat.tree, flat.structural_hash,
+                flat.kinds, flat.checked, flat.geometry)

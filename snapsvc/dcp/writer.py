@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..distributed.shards import _state_plan
+from ..distributed.shards import ShardMemo, _state_plan
 from ..distributed.writer import DistributedSnapshotWriter
 from ..engine.dispatch import Held, release_held
 from .layout import _Refusal, is_step_path, metadata_token, step_of
@@ -98,8 +98,10 @@ class SnapsvcStorageWriter(StorageWriter, AsyncStager):
             self._ticket += 1
             ticket = self._ticket
         # planned first: what DCP cannot plan is refused before a slot is taken
-        staged, planned = self._plan(state_dict, ticket, writer.rank, writer._shard_memo,
-                                     _state_plan)
+        # a ShardMemo of its own, dropped after: the kept plan holds no tensor, and
+        # the writer's memo would hold this state's until its next submit
+        staged, planned = self._plan(
+            state_dict, ticket, lambda state: _state_plan(state, writer.rank, ShardMemo()))
         held = writer._hold(state_dict, planned)
         with self._lock:
             self._held[ticket] = held
