@@ -16,6 +16,9 @@ optimizer, scheduler, RNG, loader position) against the reference:
 - cold disk:  the same after posix_fadvise(POSIX_FADV_DONTNEED) on its files
 - remote:     the uploaded copy, from moto on loopback (``snapsvc.restore("s3://...")``)
 - memcpy:     a raw copy of the same tensors from memory into the same objects' tensors: the floor
+              (AdamW's state tensors made and faulted in before the clock starts)
+- memcpy+new: the same, AdamW's state copied into fresh tensors (``clone``) as a restore into a
+              new optimizer must: the floor with the page faults of the memory it allocates
 
 Also, in the trainer: the stall (``submit()``'s return) of a memory-only
 snapshot against a persisted one; and, with a small state, the bytes written
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,24 +78,33 @@ def plain(s):
             "pos": s["loader"]["pos"]}
 """
 
-TRAINER = COMMON + """
-import os, signal, sys, time, json, statistics, snapsvc
+STALLS = 8   # samples of each mode's stall
+
+TRAINER = COMMON + f"STALLS = {STALLS}\n" + """
+import os, signal, sys, time, json, snapsvc
 d, mib, remote = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 s = objects(mib)
 step(s)
-w = snapsvc.SnapshotWriter(d, linger=300, remote=remote, slots=2)
+w = snapsvc.SnapshotWriter(d, linger=300, remote=remote, slots=2, keep_last=2,
+                           remote_keep_last=2)   # the stall files: no 16 copies on disk and in moto
 w.submit(s, "warm.fdl", persist=False).result(600)     # the sidecar is up, the slots are made
 stalls = {"persisted": [], "memory-only": []}
-for i in range(4):   # alternating, each waited for: no queueing in the figure
-    for label, persist in (("persisted", True), ("memory-only", False)):
+modes = [("persisted", True), ("memory-only", False)]
+for i in range(STALLS):
+    # each timed submit starts on an idle sidecar: the previous snapshot is written, and
+    # uploaded when persisted (else the memory-only one, timed next, would share the CPU
+    # with that upload); the order alternates, so neither mode always comes first
+    for label, persist in (modes if i % 2 == 0 else modes[::-1]):
         t0 = time.perf_counter()
         h = w.submit(s, f"stall{label[0]}{i}.fdl", persist=persist)
         stalls[label].append(time.perf_counter() - t0)
         h.result(600)
+        if persist:
+            h.uploaded(600)
 torch.save(plain(s), os.path.join(d, "reference.pt"))
 w.submit(s, "disk1.fdl").uploaded(600)
 w.submit(s, "ram1.fdl", persist=False).result(600)
-print(json.dumps({k: statistics.median(v) for k, v in stalls.items()}), flush=True)
+print(json.dumps(stalls), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -104,21 +117,25 @@ from bitwise import assert_bit_identical
 t1 = time.time()
 path, mib, how, ref = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 s = objects(mib, init=False)
-if how == "memcpy":   # the same bytes into tensors faulted in: the model's, AdamW's to be
+if how.startswith("memcpy"):   # the same bytes into the model's tensors and AdamW's
     expected = torch.load(ref, weights_only=True)
     src = list(expected["model"].values()) + [t for st in expected["opt"]["state"].values()
                                              for t in st.values() if t.dim()]
-    dst = list(s["model"].state_dict().values()) + [torch.zeros_like(t) for t in src[len(
-        expected["model"]):]]
+    dst = list(s["model"].state_dict().values())
+    if how == "memcpy":   # AdamW's to be, faulted in
+        dst += [torch.zeros_like(t) for t in src[len(dst):]]
 t2 = time.time()
 if how == "memcpy":
     torch._foreach_copy_(dst, src)
+elif how == "memcpy+new":
+    torch._foreach_copy_(dst, src[:len(dst)])
+    fresh = [t.clone() for t in src[len(dst):]]
 else:
     report = snapsvc.restore(path, s)
     s["loader"]["pos"] = report.state["loader"]["pos"]
     torch.set_rng_state(s["rng"]["torch"])
 t3 = time.time()
-if how != "memcpy":
+if how == "restore":
     assert_bit_identical(plain(s), torch.load(ref, weights_only=True), "state")
 print(json.dumps({"start": t0, "imports": t1, "built": t2, "restored": t3}))
 """
@@ -136,6 +153,13 @@ for i in range(1, n + 1):
 print(json.dumps({"bytes": written, "steps": n}), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+def _p50_p99(samples: list[float]) -> tuple[float, float]:
+    """The median and the 99th percentile (nearest rank: of 8 samples, the largest)."""
+    ordered = sorted(samples)
+    rank = -(-99 * len(ordered) // 100)   # ceil(0.99 n)
+    return statistics.median(ordered), ordered[min(len(ordered), rank) - 1]
 
 
 def _evict(directory: str, name: str) -> None:
@@ -183,25 +207,27 @@ def run_size(mib: int, url: str, base: str) -> list[str]:
     lines = [f"\n{mib} MiB of parameters ({state_mib:.0f} MiB in the checkpoint file with AdamW's "
              "state); seconds from the new process's spawn:",
              f"{'source':<10} {'start+imports':>13} {'build':>7} {'restore':>8} {'total':>7} "
-             f"{'restore/memcpy':>14}"]
+             f"{'restore/memcpy':>14} {'/memcpy+new':>11}"]
     try:
         rows = [("ram", os.path.join(d, "ram1.fdl")), ("warm disk", os.path.join(d, "disk1.fdl")),
                 ("cold disk", os.path.join(d, "disk1.fdl")), ("remote", f"{url}/m{mib}/disk1.fdl"),
-                ("memcpy", "")]
+                ("memcpy", ""), ("memcpy+new", "")]
         # the page cache is warm: the trainer has just written the file
         results = {}
         for name, path in rows:
             if name == "cold disk":
                 _evict(d, "disk1.fdl")
-            results[name] = _read(path, mib, "memcpy" if name == "memcpy" else "restore", ref)
+            results[name] = _read(path, mib, name if name.startswith("memcpy") else "restore", ref)
             print(f"{mib} MiB {name}: {results[name]}", file=sys.stderr, flush=True)
-        floor = results["memcpy"]["restore"]
+        floor, floor_new = (results[k]["restore"] for k in ("memcpy", "memcpy+new"))
         for name, r in results.items():
             lines.append(f"{name:<10} {r['start+imports']:>13.2f} {r['build']:>7.2f} "
-                         f"{r['restore']:>8.3f} {r['total']:>7.2f} {r['restore'] / floor:>13.1f}x")
-        p, m = stalls["persisted"], stalls["memory-only"]
-        lines.append(f"stall (submit p50 of 4): persisted {p * 1e3:.1f} ms, memory-only "
-                     f"{m * 1e3:.1f} ms ({m / p:.2f}x)")
+                         f"{r['restore']:>8.3f} {r['total']:>7.2f} {r['restore'] / floor:>13.2f}x "
+                         f"{r['restore'] / floor_new:>10.2f}x")
+        (p50p, p99p), (p50m, p99m) = (_p50_p99(stalls[k]) for k in ("persisted", "memory-only"))
+        lines.append(f"stall (submit(), {STALLS} of each, alternating, each on an idle sidecar): "
+                     f"persisted p50 {p50p * 1e3:.1f} ms p99 {p99p * 1e3:.1f} ms; memory-only p50 "
+                     f"{p50m * 1e3:.1f} ms p99 {p99m * 1e3:.1f} ms ({p50m / p50p:.2f}x at p50)")
     finally:
         _release(d)
     return lines
@@ -214,14 +240,20 @@ def small_runs(base: str) -> list[str]:
     for every in (0, 10):
         d = os.path.join(base, f"small{every}")
         got[every] = _killed(SMALL, d, "103" if every else "100", str(every))
+        # what the disk holds (no keep_last: every persisted file stays), beside what the
+        # handles report: memory-only snapshots must add nothing here
+        got[every]["on disk"] = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
         if every:
             newest, on_disk = snapsvc.latest(d), max(
                 int(f[4:-4]) for f in os.listdir(d) if f.endswith(".fdl"))
             pos = snapsvc.load(newest)["loader"]["pos"]
         _release(d)
-    per = {e: got[e]["bytes"] * 100 // got[e]["steps"] for e in got}
-    lines.append(f"bytes written per 100 submits: every one persisted {per[0] / 2**20:.1f} MiB, "
-                 f"persist_every=10 {per[10] / 2**20:.1f} MiB")
+    per = {e: {k: got[e][k] * 100 / got[e]["steps"] / 2**20 for k in ("bytes", "on disk")}
+           for e in got}
+    lines.append(f"bytes written per 100 submits (reported by the handles; the directory's files "
+                 f"after the run): every one persisted {per[0]['bytes']:.1f} MiB "
+                 f"({per[0]['on disk']:.1f} MiB on disk), persist_every=10 {per[10]['bytes']:.1f} "
+                 f"MiB ({per[10]['on disk']:.1f} MiB on disk)")
     lines.append(f"lost work: SIGKILLed after submitting step 103 with persist_every=10: the newest "
                  f"on disk is step {on_disk}; snapsvc.latest gives {os.path.basename(newest)} "
                  f"(loader position {pos}, from RAM): {103 - int(os.path.basename(newest)[4:-4])} "
