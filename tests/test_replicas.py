@@ -307,7 +307,8 @@ def scenario_six(rank, world, tmp, phase):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.slow   # three worlds of six processes: 2.5-4 min on a loaded 2-core machine
+@pytest.mark.timeout(480)
 def test_world6_one_node_then_two(tmp_path):
     """World 6 as 3 nodes x 2 ranks, replicas=1. Node C is lost after step 10 (persisted)
     and 20 (memory-only), its disk files with it: the new world resumes step 20 from RAM,
