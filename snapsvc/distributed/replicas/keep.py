@@ -63,14 +63,17 @@ class Keeper:
         self.keep = keep
         self.memory_limit = memory_limit
         self.complete: list[int] = []   # steps complete in RAM, agreed, oldest first
+        self.seen: set[int] = set()   # steps replicated here: their folders may be deleted
         self.clear_spares()   # an earlier trainer's of this rank: they are not counted
 
     def _steps(self) -> list[int]:
+        """The steps this rank may hold copies of: those in the directory, and those
+        replicated here (a user may delete a step's folder; its RAM copies stay ours)."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return []
-        return sorted(n for n in map(step_number, names) if n is not None)
+            names = []
+        return sorted(self.seen.union(n for n in map(step_number, names) if n is not None))
 
     def copies(self, step: int) -> list[str]:
         """The RAM copies this rank holds of ``step``: its own file's, then replicas."""
@@ -132,6 +135,7 @@ class Keeper:
     def completed(self, step: int) -> None:
         """``step`` is complete in RAM (every rank calls this, for the same steps):
         the copies of steps older than the ``keep`` newest complete ones go."""
+        self.seen.add(step)
         if step not in self.complete:
             self.complete.append(step)
             self.complete.sort()
@@ -141,6 +145,7 @@ class Keeper:
             if n >= floor:
                 break
             self._drop_step(n, f"step {floor} and newer are complete in RAM")
+            self.seen.discard(n)
 
     def room(self, incoming: int) -> str | None:
         """Make room for ``incoming`` bytes of replica under ``memory_limit``: None,

@@ -365,6 +365,7 @@ class Replicator:
         header = recv_header(origin, self.group)
         if header["error"] is not None:
             return str(header["error"])
+        self.keeper.seen.add(step)
         folder, why = self._place(header, step)
         if folder is None:
             recv_files(origin, self.group, header)   # drained
