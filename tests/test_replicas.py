@@ -307,7 +307,8 @@ def scenario_six(rank, world, tmp, phase):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.slow   # three worlds of six processes: 2.5-4 min on a loaded 2-core machine
+@pytest.mark.timeout(480)
 def test_world6_one_node_then_two(tmp_path):
     """World 6 as 3 nodes x 2 ranks, replicas=1. Node C is lost after step 10 (persisted)
     and 20 (memory-only), its disk files with it: the new world resumes step 20 from RAM,
@@ -335,3 +336,42 @@ def test_world6_one_node_then_two(tmp_path):
             for holder in range(6):
                 for ram in held_by(str(tmp_path / "ckpt"), n, holder, 6).values():
                     drop(ram)
+
+
+def scenario_spares(rank, world, tmp):
+    import snapsvc
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.distributed.replicas.send import verified
+    os.environ["SNAPSVC_NODE"] = "AB"[rank]
+    d = os.path.join(tmp, "ckpt")
+    out: dict = {"ok": [], "spares": [], "sizes": []}
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, keep_in_memory=1,
+                                           coord_timeout=30) as w:
+        for step in range(1, 5):   # sizes change: a spare larger or smaller than the next
+            n = (1 << 18) * (1 + step % 2) // 4
+            h = w.submit({"w": torch.arange(n, dtype=torch.float32) * step}, step,
+                         persist=False)
+            h.result(30)
+            assert h.replicated(timeout=30) == [1 - rank]
+            ram = held_by(d, step, rank, world)[1 - rank]
+            out["ok"].append(verified(ram, f"step {step}"))
+            out["sizes"].append(os.path.getsize(ram))
+            out["spares"].append(len(w._replicator.keeper.spares()))
+        out["copies"] = {s: len(w._replicator.keeper.copies(s)) for s in range(1, 5)}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_replicas_received_into_spare_pages(tmp_path):
+    """keep_in_memory=1: each step's replica replaces the one before; the dropped
+    replica's file is kept as a spare and the next replica is received into its pages
+    (grown or shrunk to the new size), checked against its CRC-32s; a clean close
+    leaves nothing in /dev/shm (run_world checks)."""
+    codes, results = run_world(tmp_path, 2, scenario_spares, run_s=110)
+    assert codes == [0, 0]
+    for r in results:
+        assert r["ok"] == [True] * 4
+        assert r["sizes"][0] > r["sizes"][1] < r["sizes"][2] > r["sizes"][3]
+        # the step before went to the spares, and was taken for the next one
+        assert r["spares"] == [0, 1, 1, 1], r
+        assert r["copies"] == {"1": 0, "2": 0, "3": 0, "4": 2}

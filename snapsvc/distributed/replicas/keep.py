@@ -13,21 +13,33 @@ replicas it holds plus an incoming one. A holder short of room drops the
 copies of steps older than the newest complete one first, oldest first; if the
 replica still does not fit it refuses it (the origin's ``replicated()`` names
 the holder and the limit, and the next step goes to another node).
+
+Spares: a replica dropped by age leaves its files' pages behind, renamed into
+a spare folder of the holder's RAM tier, and the next replica is received
+into them: a transfer into fresh tmpfs pages costs one page fault and a
+zeroed page per 4 KiB, about twice the copy itself. At most :data:`SPARES`
+files are kept; ``memory_limit`` counts them and drops them first; a clean
+close, and the next writer of the rank, drop them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
-from ...files.metafile import checkpoint_names
-from ...files.ramtier import drop, held
+from ...files.metafile import checkpoint_names, meta_path
+from ...files.ramtier import drop, held, ram_path
 from ..manifest import step_dir, step_number
 from .send import held_by
 
 __all__ = ["Keeper"]
 
 log = logging.getLogger("snapsvc")
+
+SPARES = 4            # spare files a holder keeps for the next replicas
+_MIN_SPARE = 64 << 10  # smaller files are not worth keeping
+_names = itertools.count()
 
 
 def _bytes(ram: str) -> int:
@@ -51,13 +63,17 @@ class Keeper:
         self.keep = keep
         self.memory_limit = memory_limit
         self.complete: list[int] = []   # steps complete in RAM, agreed, oldest first
+        self.seen: set[int] = set()   # steps replicated here: their folders may be deleted
+        self.clear_spares()   # an earlier trainer's of this rank: they are not counted
 
     def _steps(self) -> list[int]:
+        """The steps this rank may hold copies of: those in the directory, and those
+        replicated here (a user may delete a step's folder; its RAM copies stay ours)."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return []
-        return sorted(n for n in map(step_number, names) if n is not None)
+            names = []
+        return sorted(self.seen.union(n for n in map(step_number, names) if n is not None))
 
     def copies(self, step: int) -> list[str]:
         """The RAM copies this rank holds of ``step``: its own file's, then replicas."""
@@ -68,14 +84,58 @@ class Keeper:
                 out.append(own)
         return out + list(held_by(self.directory, step, self.rank, self.world_size).values())
 
-    def _drop_step(self, step: int, why: str) -> None:
-        for ram in self.copies(step):
+    def _drop_step(self, step: int, why: str, spare: bool = True) -> None:
+        own = len(self.copies(step)) - len(held_by(self.directory, step, self.rank,
+                                                   self.world_size))
+        for i, ram in enumerate(self.copies(step)):
             log.debug("snapsvc: rank %d drops %s (%s)", self.rank, ram, why)
+            if spare and i >= own:   # a replica: its pages for the next one
+                self._recycle(ram)
             drop(ram)
+
+    # -- spares ------------------------------------------------------------------
+    def _spare_folder(self, create: bool = False) -> str | None:
+        ram = ram_path(os.path.join(self.directory, ".replicas-spare",
+                                    f"held-by-{self.rank}", "x"), create=create)
+        return None if ram is None else os.path.dirname(ram)
+
+    def spares(self) -> list[str]:
+        """The spare files, largest first."""
+        folder = self._spare_folder()
+        if folder is None or not os.path.isdir(folder):
+            return []
+        paths = [os.path.join(folder, n) for n in os.listdir(folder)]
+        return sorted(paths, key=lambda p: -os.path.getsize(p))
+
+    def _recycle(self, ram: str) -> None:
+        """The dropped replica ``ram``'s files into the spares (metadata removed first:
+        the copy is no longer whole)."""
+        try:
+            os.unlink(meta_path(ram))
+        except FileNotFoundError:
+            return
+        folder = self._spare_folder(create=True)
+        for p in checkpoint_names(ram):
+            if folder is not None and os.path.exists(p) and os.path.getsize(p) >= _MIN_SPARE:
+                os.replace(p, os.path.join(folder, f"spare{os.getpid()}-{next(_names)}"))
+        for extra in self.spares()[SPARES:]:
+            os.unlink(extra)
+
+    def take_spare(self, n: int) -> str | None:
+        """A spare file for ``n`` bytes (the smallest as large, else the largest),
+        no longer a spare; None when there is none."""
+        spares = self.spares()
+        fit = [p for p in spares if os.path.getsize(p) >= n]
+        return (fit[-1] if fit else spares[0]) if spares and n >= _MIN_SPARE else None
+
+    def clear_spares(self) -> None:
+        for p in self.spares():
+            drop(p)
 
     def completed(self, step: int) -> None:
         """``step`` is complete in RAM (every rank calls this, for the same steps):
         the copies of steps older than the ``keep`` newest complete ones go."""
+        self.seen.add(step)
         if step not in self.complete:
             self.complete.append(step)
             self.complete.sort()
@@ -85,6 +145,7 @@ class Keeper:
             if n >= floor:
                 break
             self._drop_step(n, f"step {floor} and newer are complete in RAM")
+            self.seen.discard(n)
 
     def room(self, incoming: int) -> str | None:
         """Make room for ``incoming`` bytes of replica under ``memory_limit``: None,
@@ -93,6 +154,9 @@ class Keeper:
             return None
         steps = self._steps()
         held_bytes = {n: sum(map(_bytes, self.copies(n))) for n in steps}
+        spares = sum(os.path.getsize(p) for p in self.spares())
+        if sum(held_bytes.values()) + spares + incoming > self.memory_limit:
+            self.clear_spares()   # room before any copy goes
         newest = self.complete[-1] if self.complete else None
         for n in steps:   # oldest first; never the newest complete step, nor newer ones
             if sum(held_bytes.values()) + incoming <= self.memory_limit:
@@ -102,7 +166,7 @@ class Keeper:
             log.warning("snapsvc: memory_limit=%d: rank %d drops its RAM copies of step %d "
                         "(older than step %d, the newest complete in RAM)", self.memory_limit,
                         self.rank, n, newest)
-            self._drop_step(n, "memory_limit")
+            self._drop_step(n, "memory_limit", spare=False)
             held_bytes[n] = 0
         used = sum(held_bytes.values())
         if used + incoming <= self.memory_limit:

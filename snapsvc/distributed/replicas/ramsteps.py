@@ -34,7 +34,7 @@ from ...files.ramtier import held
 from ..coord import _all_gather_msg, _new_group
 from ..manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, read_manifest, \
     step_dir, step_number
-from .send import held_by, recv_files, send_files, store_files, verified
+from .send import held_by, recv_header, recv_to_folder, send_files, verified
 
 __all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT"]
 
@@ -196,11 +196,11 @@ def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
             _link(ram, view)
         log.info("step %d: rank %d's file from rank %d's %s", m.step, origin, h, source)
     elif rank in needers:
-        files, error = recv_files(h, group)
-        if error is not None:
-            raise SnapsvcError(f"rank {h} could not send rank {origin}'s file: {error}")
-        meta = [n for n in files if n.endswith(".meta")]
-        store_files(view, files, meta[0] if meta else "")
+        header = recv_header(h, group)
+        if header["error"] is not None:
+            raise SnapsvcError(f"rank {h} could not send rank {origin}'s file: "
+                               f"{header['error']}")
+        recv_to_folder(h, group, header, view)
         log.info("step %d: rank %d's file from rank %d's RAM, over the gloo group",
                  m.step, origin, h)
 

@@ -33,15 +33,15 @@ writer; its coordinator fails the same way.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
+import mmap
 import os
 import queue
 import re
 import socket
 import threading
 import time
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,52 +152,73 @@ def _recv_bytes(peer: int, group: Any) -> torch.Tensor:
     return t
 
 
-def _view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous uint8 tensor, without a copy."""
-    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
-
-
 def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> int:
-    """The files ``paths`` (any may be missing) to ``peer``: a header, then each file's
-    bytes; the bytes of the files sent."""
+    """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
+    ``error``), then each non-empty file's bytes as one message; the bytes sent."""
     present = [p for p in paths if os.path.exists(p)] if error is None else []
     sizes = [os.path.getsize(p) for p in present]
     _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
                             "error": error}), peer, group)
     for p, n in zip(present, sizes):
-        # read by torch straight into the tensor sent: one copy
-        _send_bytes(torch.from_file(p, shared=False, size=n, dtype=torch.uint8) if n
-                    else b"", peer, group)
+        if n:   # read by torch straight into the tensor sent: one copy
+            dist.send(torch.from_file(p, shared=False, size=n, dtype=torch.uint8), peer,
+                      group=group)
     return sum(sizes)
 
 
-def recv_files(peer: int, group: Any) -> tuple[dict[str, torch.Tensor], str | None]:
-    """What :func:`send_files` sent: name -> bytes, and the sender's error."""
-    header = unpack_value(bytes(_recv_bytes(peer, group).tolist()))
+def recv_header(peer: int, group: Any) -> dict[str, Any]:
+    """The header :func:`send_files` sends first: ``names``, ``sizes``, ``error``."""
+    header: dict[str, Any] = unpack_value(bytes(_recv_bytes(peer, group).tolist()))
+    return header
+
+
+def recv_files(peer: int, group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The files of ``header`` into memory: name -> bytes (also to drain a refused one)."""
     files = {}
     for name, n in zip(header["names"], header["sizes"]):
-        t = _recv_bytes(peer, group)
-        files[name] = t[:n]
-    return files, header["error"]
+        files[name] = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.recv(files[name], peer, group=group)
+    return files
 
 
-def store_files(dest_dir: str, files: dict[str, torch.Tensor], meta_name: str) -> None:
-    """Write ``files`` into ``dest_dir`` (private, 0600), each to a temp name then
-    renamed, the metadata ``meta_name`` last: it vouches for the rest."""
-    for name in sorted(files, key=lambda n: n == meta_name):
-        final = os.path.join(dest_dir, name)
-        temp = f"{final}.{os.getpid()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_view(files[name].contiguous()))
+def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
+                   spare: Callable[[int], str | None] | None = None) -> None:
+    """The files of ``header`` straight into ``folder`` (private, 0600): each received
+    into the mapping of its temp file (no buffer in between), then renamed, the
+    metadata (``.meta``) last: it vouches for the rest. ``spare(n)``: a file whose
+    pages to reuse for ``n`` bytes (renamed to the temp name), or None."""
+    temps: list[tuple[str, str]] = []
+    try:
+        for name, n in zip(header["names"], header["sizes"]):
+            final = os.path.join(folder, name)
+            temp = f"{final}.{os.getpid()}.tmp"
+            reuse = spare(n) if spare is not None and n else None
+            if reuse is not None:
+                os.replace(reuse, temp)
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                         (0 if reuse else os.O_TRUNC), 0o600)
+            temps.append((temp, final))
+            try:
+                if n:
+                    os.ftruncate(fd, n)
+                    # pages already there (a spare): their page tables filled at once
+                    populate = getattr(mmap, "MAP_POPULATE", 0) if reuse else 0
+                    with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate) as mapped:
+                        target = torch.frombuffer(mapped, dtype=torch.uint8)
+                        dist.recv(target, peer, group=group)
+                        del target   # the mapping closes only once no tensor uses it
+            finally:
+                os.close(fd)
+        for temp, final in sorted(temps, key=lambda tf: tf[1].endswith(".meta")):
             os.replace(temp, final)
-        except BaseException:
+    except BaseException:
+        for temp, _ in temps:
             try:
                 os.unlink(temp)
             except FileNotFoundError:
                 pass
-            raise
+        raise
 
 
 class Replicator:
@@ -260,6 +281,7 @@ class Replicator:
         for n in self.keeper._steps():
             for ram in held_by(self.directory, n, self.rank, self.world_size).values():
                 drop(ram)
+        self.keeper.clear_spares()
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -299,11 +321,11 @@ class Replicator:
                         problems[h] = answer
                 elif h == self.rank:
                     _send_bytes(pack_value(self._receive(origin, step)), origin, group)
-        self.counts["replica_s"] += time.monotonic() - t0
-        self.counts["replica_bytes"] += sent
         short = len(holders) < min(self.replicas, self.world_size - 1)
         tables = _all_gather_msg({"failed": sorted(problems), "short": short},
                                  self.world_size, group)
+        self.counts["replica_s"] += time.monotonic() - t0   # the closing exchange included
+        self.counts["replica_bytes"] += sent
         if not any(t["failed"] or t["short"] for t in tables):
             self.keeper.completed(step)
         self._pass_over({h for t in tables for h in t["failed"]}, step)
@@ -338,27 +360,40 @@ class Replicator:
                         [self.nodes[h] for h in self.holders])
 
     def _receive(self, origin: int, step: int) -> str | None:
-        """Hold ``origin``'s replica of ``step``; None, or why not."""
-        files, error = recv_files(origin, self.group)
-        if error is not None:
-            return error
-        metas = [n for n in files if n.endswith(".meta")]
-        if len(metas) != 1:
-            return f"expected one metadata file, got {sorted(files)}"
+        """Hold ``origin``'s replica of ``step``; None, or why not (a refused replica's
+        bytes are still received, so that the exchange stays in step)."""
+        header = recv_header(origin, self.group)
+        if header["error"] is not None:
+            return str(header["error"])
+        self.keeper.seen.add(step)
+        folder, why = self._place(header, step)
+        if folder is None:
+            recv_files(origin, self.group, header)   # drained
+            return why
         try:
-            full = self.keeper.room(sum(t.numel() for t in files.values()))
-            if full is not None:
-                return full
-            name = metas[0][:-len(".meta")]
-            ram = ram_path(replica_file(self.directory, step, self.rank, name), create=True)
-            if ram is None:
-                return "no RAM tier (/dev/shm)"
-            if meta_path(ram) != os.path.join(os.path.dirname(ram), metas[0]):
-                return f"unexpected metadata name {metas[0]}"
-            store_files(os.path.dirname(ram), files, metas[0])
+            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare)
         except (OSError, SnapsvcError) as e:
             return _reason(e)
         return None
+
+    def _place(self, header: dict[str, Any], step: int) -> tuple[str | None, str | None]:
+        """The RAM folder for the replica ``header`` announces, or (None, why not)."""
+        metas = [n for n in header["names"] if n.endswith(".meta")]
+        if len(metas) != 1:
+            return None, f"expected one metadata file, got {sorted(header['names'])}"
+        try:
+            full = self.keeper.room(sum(header["sizes"]))
+            if full is not None:
+                return None, full
+            ram = ram_path(replica_file(self.directory, step, self.rank,
+                                        metas[0][:-len(".meta")]), create=True)
+        except (OSError, SnapsvcError) as e:
+            return None, _reason(e)
+        if ram is None:
+            return None, "no RAM tier (/dev/shm)"
+        if meta_path(ram) != os.path.join(os.path.dirname(ram), metas[0]):
+            return None, f"unexpected metadata name {metas[0]}"
+        return os.path.dirname(ram), None
 
 
 def _resolve(handle: Any, holders: list[int]) -> None:
