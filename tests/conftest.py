@@ -124,13 +124,46 @@ def no_leaks(_warm_sidecar, tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skip them on machines without it."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Tests marked ``gpu`` need CUDA: skip them on machines without it. Then the order
+    the two xdist workers share the suite in (:func:`_schedule`)."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    _schedule(items)
+
+
+def _budget(item: pytest.Item) -> float:
+    """The timeout a test declares, 0 without one: every test that spawns a process has
+    one (the developers' guide), and the longer it is, the longer the test is expected to run."""
+    mark = item.get_closest_marker("timeout")
+    if mark is None:
+        return 0.0
+    return float(mark.args[0] if mark.args else mark.kwargs.get("timeout", 0))
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """The test files, the longest first.
+
+    ``-n 2`` runs with ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml): xdist
+    hands each worker a whole file at a time, in this order, so a module fixture (a spawned
+    world, a written checkpoint) is built by one worker, not both. First the files with a
+    test that declares more than a minute (:func:`_budget`: trainer runs, spawned worlds),
+    the longest declared first; then the in-process files, the biggest first, so the last
+    ones are small and fill the gaps: neither worker is left alone at the end with a long
+    file. The same order with ``-n 0``; the tests of a file keep theirs."""
+    files: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> tuple:
+        longest = max(map(_budget, tests))
+        if longest > 60:
+            return (0, -longest, -sum(map(_budget, tests)))
+        return (1, -len(tests))
+
+    items[:] = [item for f in sorted(files.values(), key=weight) for item in f]
 
 
 @pytest.fixture
