@@ -215,3 +215,75 @@ def test_only_the_same_uid_gets_in_on_either_end(tmp_path, serve):
         for name in os.listdir(short):
             os.unlink(os.path.join(short, name))
         os.rmdir(short)
+
+
+def _lingering_sidecar_left_alone(directory) -> int:
+    """A trainer with ``linger`` SIGKILLed after memory-only submits: its sidecar lingers
+    with no trainer attached. The sidecar's pid."""
+    code = ("import os, signal, sys, torch, snapsvc\n"
+            "w = snapsvc.SnapshotWriter(sys.argv[1], linger=60)\n"
+            "for name, seed in (('good1.fdl', 1), ('bad2.fdl', 2), ('cut3.fdl', 3)):\n"
+            "    g = torch.Generator().manual_seed(seed)\n"
+            "    w.submit({'w': torch.randn(128, 64, generator=g), 'step': seed}, name,\n"
+            "             persist=False).result(30)\n"
+            "print(w.pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    with tempfile.TemporaryFile() as out:   # a file: the lingering sidecar inherits it
+        done = subprocess.run([sys.executable, "-c", code, str(directory)], cwd=ROOT,
+                              stdout=out, stderr=subprocess.DEVNULL, timeout=60)
+        out.seek(0)
+        text = out.read().decode()
+    assert done.returncode == -signal.SIGKILL, text
+    return int(text.split()[-1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("holder", ["service", "lingering sidecar"])
+def test_ram_copies_of_a_holder_killed_with_no_trainer_go_to_the_next_writer(
+        tmp_path, no_leaks, serve, holder):
+    """A ``snapsvc serve`` (or a lingering sidecar) SIGKILLed while no trainer is
+    attached cannot free its RAM copies: the next writer of the directory adopts them,
+    serves the whole one and drops the rest, and frees them all when it closes."""
+    if holder == "service":
+        service = serve()
+        with snapsvc.SnapshotWriter(tmp_path) as w:
+            assert w.pid == service.pid
+            for name, seed in (("good1.fdl", 1), ("bad2.fdl", 2), ("cut3.fdl", 3)):
+                w.submit(_state(seed), name, persist=False).result(30)
+        pid = service.pid   # a clean close() leaves it holding them, with no trainer
+    else:
+        pid = _lingering_sidecar_left_alone(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    if holder == "service":
+        service.wait(10)
+    else:   # reparented: gone once its new parent reaps it
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}")
+    good, bad, cut = (ramtier.held(tmp_path / n) for n in ("good1.fdl", "bad2.fdl", "cut3.fdl"))
+    assert good and bad and cut
+    folder = os.path.dirname(good)
+    with open(bad, "r+b") as f:   # a damaged copy: one byte flipped mid-file
+        f.seek(os.path.getsize(bad) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.unlink(meta_path(cut))   # a copy killed mid-write: its data, no metadata yet
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit(_state(4), "disk4.fdl").result(30)   # its sidecar is up, and has adopted
+        assert w.pid != pid
+        # the whole copy is served, bit-exact, from RAM (there is no disk copy)
+        assert not (tmp_path / "good1.fdl").exists()
+        target = {"w": torch.zeros(128, 64), "step": 0}
+        assert snapsvc.restore(tmp_path / "good1.fdl", target).state["step"] == 1
+        assert torch.equal(target["w"], _state(1)["w"])
+        # the damaged and the partial ones are skipped: gone, never served
+        assert ramtier.held(tmp_path / "bad2.fdl") is None and not os.path.exists(bad)
+        assert not os.path.exists(cut)
+        assert snapsvc.latest(tmp_path) in (str(tmp_path / "good1.fdl"),
+                                            str(tmp_path / "disk4.fdl"))
+        assert sorted(n for n in os.listdir(folder) if not n.startswith(".owner-")) == [
+            "good1.fdl", "good1.fdl.meta"]
+    # the writer's sidecar freed what it adopted: no folder left (no_leaks checks too)
+    assert not os.path.exists(folder)

@@ -13,6 +13,15 @@ folder per checkpoint directory, named by a hash of its absolute path, holding
 the checkpoint's files under their own names. The sidecar that wrote them
 removes them when it exits: a RAM copy lives as long as its writer.
 
+A process that holds copies in a folder marks it, first, with a file of its
+own there (``.owner-<pid>``) that it keeps locked (``flock``) until it exits:
+the kernel drops the lock when the process dies, SIGKILL included, so a lock
+that can be taken is a dead owner's. A sidecar killed before it could free its
+copies (a SIGKILLed ``snapsvc serve``, or a lingering sidecar, with no trainer
+attached) thus leaves a folder no live process marks: the next sidecar or
+service of that directory adopts it (:func:`adopt`), holding the whole copies
+that pass their checks as its own and removing the rest.
+
 Reads (:func:`read_first`) try the RAM copy of a path first and fall back to
 the disk when there is none or it is bad (reported with a warning).
 No torch here: the sidecar imports this module.
@@ -20,6 +29,7 @@ No torch here: the sidecar imports this module.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -34,7 +44,8 @@ from .metafile import META_SUFFIX, checkpoint_names, meta_path
 from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
-           "read_first", "drop", "series", "ram_series", "complete", "number"]
+           "read_first", "drop", "series", "ram_series", "complete", "number", "claim", "adopt",
+           "release_marks"]
 
 log = logging.getLogger("snapsvc")
 
@@ -106,14 +117,144 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
                           f"removing {root}?")
 
 
-def _tidy(ram: str) -> None:
-    """Remove the folders above a dropped RAM copy once empty, so an exited
-    sidecar leaves no /dev/shm entry (a folder still in use stays)."""
-    for folder in (os.path.dirname(ram), ram_root()):
+_OWNER = ".owner-"
+_marks: dict[str, tuple[int, int]] = {}  # folder -> (our pid, the locked fd of our mark)
+
+
+def _ours(folder: str) -> int | None:
+    """The locked fd of this process's mark in ``folder`` (none in a forked child)."""
+    pid, fd = _marks.get(folder, (None, -1))
+    return fd if pid == os.getpid() else None
+
+
+def claim(ram: str) -> None:
+    """Mark the folder of the RAM copy ``ram`` (made if missing) as this process's
+    until it exits: before it writes there, or holds copies handed over. A live
+    mark keeps :func:`adopt` of another process out of the folder."""
+    folder = os.path.dirname(ram)
+    if _ours(folder) is not None:
+        return
+    mark = os.path.join(folder, f"{_OWNER}{os.getpid()}")
+    for _ in range(5):
+        try:  # the folders, made again if another's _tidy removed them meanwhile
+            check_private(ram_root(), True)
+            check_private(folder, True)
+            fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # an adopter that found a dead process of our pid may have removed it first
+            same = os.path.samestat(os.fstat(fd), os.lstat(mark))
+        except FileNotFoundError:
+            same = False
+        if same:
+            _marks[folder] = (os.getpid(), fd)
+            return
+        os.close(fd)
+    raise UnsafePathError(f"{mark} kept vanishing while it was made; is something "
+                          f"removing {folder}?")
+
+
+def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
+    """The marks in ``folder`` of dead processes, each locked by us now (so ours to
+    remove); None when one is a live process's. Our own mark is left out."""
+    dead: list[tuple[str, int]] = []
+    mine = f"{_OWNER}{os.getpid()}" if _ours(folder) is not None else None
+    for name in names:
+        if not name.startswith(_OWNER) or name == mine:
+            continue
         try:
-            os.rmdir(folder)
+            fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed meanwhile by another adopter
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: its process lives
+            os.close(fd)
+            _unmark([], tuple(fd for _, fd in dead))
+            return None
+        dead.append((os.path.join(folder, name), fd))
+    return dead
+
+
+def _unmark(marks: list[tuple[str, int]], fds: tuple[int, ...] = ()) -> None:
+    """Remove the marks we hold locked (their files first), then close their fds."""
+    for mark, _ in marks:
+        try:
+            os.unlink(mark)
+        except FileNotFoundError:
+            pass
+    for fd in [fd for _, fd in marks] + list(fds):
+        os.close(fd)
+
+
+def release_marks() -> None:
+    """At a sidecar's exit, once its copies are dropped: its marks go, and each
+    folder too when nothing else is left in it."""
+    for folder in [f for f in _marks if _ours(f) is not None]:
+        _unmark([(os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1])])
+        _tidy(os.path.join(folder, "x"))
+
+
+def _tidy(ram: str) -> None:
+    """Remove the folders above a dropped RAM copy once nothing is left in it but
+    our mark and dead processes' marks, so an exited sidecar leaves no /dev/shm
+    entry (a folder still in use stays)."""
+    folder = os.path.dirname(ram)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        names = []
+    if any(not n.startswith(_OWNER) for n in names):
+        return  # copies: ours still, or another writer's
+    dead = _dead_marks(folder, names)
+    if dead is None:
+        return  # a live process marks it
+    fd = _ours(folder)
+    if fd is not None:
+        dead.append((os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1]))
+    _unmark(dead)
+    for empty in (folder, ram_root()):
+        try:
+            os.rmdir(empty)
         except OSError:  # not empty: another writer's copies, or its folder
             return
+
+
+def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
+    """The RAM copies of ``directory``'s checkpoints that dead processes left
+    (a sidecar or service SIGKILLed before it freed them), as (path, its RAM copy)
+    pairs, now this process's (marked: :func:`claim`): only where no live process
+    marks the folder. Each must be whole (metadata, files, sizes and CRC-32s:
+    :func:`problem`); the others (a copy killed mid-write, a damaged one, a temp
+    file) are removed, a damaged one with a warning. Oldest first."""
+    folder = None if directory is None or not os.path.isdir(SHM) else ram_folder(directory)
+    if folder is None:
+        return []
+    claim(os.path.join(folder, "x"))  # first: a process marking it after us is live
+    names = os.listdir(folder)
+    dead = _dead_marks(folder, names)
+    if dead is None or not dead and not any(not n.startswith(_OWNER) for n in names):
+        return []  # a live owner holds it, or there is nothing to adopt
+    whole = complete(folder)
+    keep: list[tuple[str, str]] = []
+    held_names: set[str] = set()
+    for name in sorted(whole, key=lambda n: whole[n][::-1]):
+        ram = os.path.join(folder, name)
+        why = problem(ram)
+        if why is not None:
+            log.warning("a dead sidecar's RAM copy %s is bad (%s): removed", ram, why)
+            continue
+        keep.append((os.path.join(os.path.abspath(os.fspath(directory)), name), ram))
+        held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
+    for name in names:
+        if not name.startswith(_OWNER) and name not in held_names:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+    _unmark(dead)
+    return keep
 
 
 def held(path: str | os.PathLike[str]) -> str | None:

@@ -62,14 +62,28 @@ def linger(files: Any, directory: str, seconds: float, failures: list[dict[str, 
     """Wait up to ``seconds`` for a trainer to attach; True when one took over."""
     path = socket_path(directory, create=True)
     assert path is not None
+    # A SIGTERM (docker stop, a job's end) unwinds: the socket and the RAM copies go.
+    # One that comes while the socket is being made waits until its removal is armed
+    # (it came at once where a test SIGTERMs the sidecar the moment the socket shows up).
+    term: dict[str, bool] = {"armed": False, "caught": False}
+
+    def on_term(signum: int, frame: object) -> None:
+        if term["armed"]:
+            sys.exit(128 + signum)
+        term["caught"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
     server = _listen(path)
     if server is None:
+        if term["caught"]:
+            sys.exit(128 + signal.SIGTERM)
         return False
     deadline = time.monotonic() + seconds
-    # a SIGTERM (docker stop, a job's end) unwinds: the socket and the RAM copies go
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log.warning("the trainer is gone; lingering %.0f s on %s for the next one", seconds, path)
     try:
+        term["armed"] = True
+        if term["caught"]:
+            sys.exit(128 + signal.SIGTERM)
         while (left := deadline - time.monotonic()) > 0:
             server.settimeout(min(left, 0.5))
             try:

@@ -34,6 +34,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..files.ramtier import adopt
 from ..files.rendezvous import (BUSY, HELLO, peer_uid, register_service, socket_path,
                                 unregister_service)
 from ..format import protocol
@@ -82,7 +83,8 @@ class Service:
             "remote_uncommit": (), "remote_names": None}
         self.memory = memory  # --memory: slots plus RAM copies (a trainer's lower limit too)
         self.files = Files(keep_last, None, (), remote=spec, report=self._upload_report,
-                           keep_in_memory=keep_in_memory, memory_limit=memory)
+                           keep_in_memory=keep_in_memory, memory_limit=memory,
+                           held=adopt(self.directory))  # what a dead one left in RAM
         self.session: _Sidecar | None = None
         self.seqs: set[int] = set()  # the current session's uploads
         self.failures: list[dict[str, Any]] = []  # writes failed after their trainer left

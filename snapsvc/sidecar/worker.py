@@ -327,10 +327,13 @@ def writer_main(req: Connection, req_sock: socket.socket, rep: Connection, lock:
 
     def files() -> Any:
         writes = importlib.import_module(".writes", __package__)
+        ramtier = importlib.import_module("..files.ramtier", __package__)
         return writes.Files(options.get("keep_last"), options.get("compress_level"),
                             options.get("written", ()), remote=remote, report=side.report,
                             keep_in_memory=options.get("keep_in_memory", 1),
-                            held=options.get("held", ()),
+                            # what a dead sidecar or service of the directory left in RAM
+                            held=[*options.get("held", ()),
+                                  *ramtier.adopt(options.get("directory"))],
                             memory_limit=options.get("memory_limit"))
 
     side.later = _Later(files, remote is not None)

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from ..files.durable import set_aside, unlink_quietly
 from ..files.metafile import Meta, checkpoint_names, meta_path, optim_path, write_with_meta
-from ..files.ramtier import drop, ram_path, ram_series, series as _series
+from ..files.ramtier import claim, drop, ram_path, ram_series, release_marks, \
+    series as _series
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
@@ -75,7 +76,10 @@ class Files:
         self.in_ram: dict[tuple[str, str, str], list[str]] = {}
         self.origin: dict[str, str] = {}
         self.sizes: dict[str, int] = {}
-        for path, ram in held:  # what a lingering sidecar handed over
+        for path, ram in held:  # what a lingering sidecar handed over, or a dead one left
+            if ram in self.origin:
+                continue
+            claim(ram)
             self.in_ram.setdefault(ram_series(path), []).append(ram)
             self.origin[ram] = path
             self.sizes[ram] = _size(ram)
@@ -215,6 +219,7 @@ class Files:
         self.in_ram.clear()
         self.origin.clear()
         self.sizes.clear()
+        release_marks()
 
     def rotate(self, mine: list[str], trash: list[str]) -> list[str]:
         """Remove the files of a series beyond the newest ``keep_last``, except
@@ -266,6 +271,8 @@ class Files:
                 # memory-only: the same files, under the RAM tier's mirror of the path
                 dest = ram_path(path, create=True) if ram else path
                 assert dest is not None
+                if ram:
+                    claim(dest)  # before its first file there: see snapsvc.files.ramtier
                 optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
                 stats = write_with_meta(dest, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,
