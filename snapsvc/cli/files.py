@@ -361,7 +361,8 @@ def _good_ram(rows: list, folder: str) -> list:
           "manifest's step and metrics and the bytes of all its files. Incomplete ones (no "
           ".meta, or no manifest) are not listed. Then, for a directory, per multi-rank "
           "step (memory-only ones too), where each rank's file is held: own RAM, a peer's "
-          "replica RAM, disk, remote.", arguments=_ls_arguments)
+          "replica RAM, disk, remote (in the text output only when some file is not "
+          "simply on disk).", arguments=_ls_arguments)
 def _ls(args: argparse.Namespace) -> int:
     from ..distributed.tier import listed_steps  # torch.distributed when needed
     tiers = [("remote" if is_url(args.location) else "local", args.location)]
@@ -388,7 +389,9 @@ def _ls(args: argparse.Namespace) -> int:
         table.append((_printable(r.name), "-" if r.step is None else str(r.step),
                       human_bytes(r.bytes), "+".join(r.tiers), _printable(metrics)))
     print("\n".join(_table(table, right={1, 2})) if rows else "no checkpoints")
-    if shards:
+    # only where some rank's file is not simply on disk (a RAM tier, replicas, a loss)
+    if any(set(where) - {"disk", "remote"} or "disk" not in where
+           for ranks in shards.values() for where in ranks):
         print("\nwhere each rank's file of a multi-rank step is held:")
         print("\n".join(_table([("step", "rank", "held")] + [
             (_printable(name), str(r), ", ".join(where) or "nowhere: lost")
