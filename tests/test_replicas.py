@@ -358,6 +358,18 @@ def scenario_spares(rank, world, tmp):
             out["sizes"].append(os.path.getsize(ram))
             out["spares"].append(len(w._replicator.keeper.spares()))
         out["copies"] = {s: len(w._replicator.keeper.copies(s)) for s in range(1, 5)}
+        if rank == 0:   # snapsvc ls: where each rank's file is held
+            import contextlib
+            import io
+            import json
+            from snapsvc.cli.core import main
+            for argv in (["ls", d, "--json"], ["ls", d]):
+                text = io.StringIO()
+                with contextlib.redirect_stdout(text):
+                    assert main(argv) == 0
+                out[argv[-1]] = text.getvalue()
+            out["shards"] = json.loads(out.pop("--json"))["shards"]
+        torch.distributed.barrier()   # the copies stay until rank 0 listed them
     return out
 
 
@@ -366,7 +378,8 @@ def test_replicas_received_into_spare_pages(tmp_path):
     """keep_in_memory=1: each step's replica replaces the one before; the dropped
     replica's file is kept as a spare and the next replica is received into its pages
     (grown or shrunk to the new size), checked against its CRC-32s; a clean close
-    leaves nothing in /dev/shm (run_world checks)."""
+    leaves nothing in /dev/shm (run_world checks). `snapsvc ls` shows per step where
+    each rank's file is held."""
     codes, results = run_world(tmp_path, 2, scenario_spares, run_s=110)
     assert codes == [0, 0]
     for r in results:
@@ -375,3 +388,9 @@ def test_replicas_received_into_spare_pages(tmp_path):
         # the step before went to the spares, and was taken for the next one
         assert r["spares"] == [0, 1, 1, 1], r
         assert r["copies"] == {"1": 0, "2": 0, "3": 0, "4": 2}
+    assert results[0]["shards"] == {
+        "step_4": [["own RAM", "replica RAM (rank 1)"], ["own RAM", "replica RAM (rank 0)"]],
+        **{f"step_{n}": [[], []] for n in (3, 2, 1)}}
+    text = results[0][os.path.join(str(tmp_path), "ckpt")].splitlines()
+    for line in ("step_4 0 own RAM, replica RAM (rank 1)", "step_3 1 nowhere: lost"):
+        assert line.split() in [t.split() for t in text], text

@@ -359,7 +359,10 @@ def _good_ram(rows: list, folder: str) -> list:
           "reported and not listed). A multi-rank checkpoint (a step_<N> directory, or "
           "any directory with a manifest.msgpack) is one entry: its directory, with the "
           "manifest's step and metrics and the bytes of all its files. Incomplete ones (no "
-          ".meta, or no manifest) are not listed.", arguments=_ls_arguments)
+          ".meta, or no manifest) are not listed. Then, for a directory, per multi-rank "
+          "step (memory-only ones too), where each rank's file is held: own RAM, a peer's "
+          "replica RAM, disk, remote (in the text output only when some file is not "
+          "simply on disk).", arguments=_ls_arguments)
 def _ls(args: argparse.Namespace) -> int:
     from ..distributed.tier import listed_steps  # torch.distributed when needed
     tiers = [("remote" if is_url(args.location) else "local", args.location)]
@@ -372,9 +375,11 @@ def _ls(args: argparse.Namespace) -> int:
         rows = list_checkpoints(tiers, steps=listed_steps, progress=bar)
     if folder is not None:
         rows = _good_ram(rows, folder)
+    shards = _shards(args.location, rows)
     if args.json:
         print(json.dumps(_strict_json({"location": args.location, "remote": args.remote,
-                                       "checkpoints": [r.__dict__ for r in rows]}),
+                                       "checkpoints": [r.__dict__ for r in rows],
+                                       "shards": shards}),
                          allow_nan=False))
         return EXIT_OK
     table = [("name", "step", "size", "tiers", "metrics")]
@@ -384,4 +389,22 @@ def _ls(args: argparse.Namespace) -> int:
         table.append((_printable(r.name), "-" if r.step is None else str(r.step),
                       human_bytes(r.bytes), "+".join(r.tiers), _printable(metrics)))
     print("\n".join(_table(table, right={1, 2})) if rows else "no checkpoints")
+    # only where some rank's file is not simply on disk (a RAM tier, replicas, a loss)
+    if any(set(where) - {"disk", "remote"} or "disk" not in where
+           for ranks in shards.values() for where in ranks):
+        print("\nwhere each rank's file of a multi-rank step is held:")
+        print("\n".join(_table([("step", "rank", "held")] + [
+            (_printable(name), str(r), ", ".join(where) or "nowhere: lost")
+            for name, ranks in shards.items() for r, where in enumerate(ranks)], right={1})))
     return EXIT_OK
+
+
+def _shards(location: str, rows: list) -> dict[str, list[list[str]]]:
+    """Per multi-rank step of a local directory (memory-only ones too), per rank, the
+    places holding its file: own RAM, a peer's replica RAM, disk, remote."""
+    if is_url(location):
+        return {}
+    from ..distributed.replicas import shard_places
+    remote = {os.path.basename(os.path.normpath(r.name)) for r in rows if "remote" in r.tiers}
+    return {name: [where + ["remote"] if name in remote else where for where in ranks]
+            for name, ranks in shard_places(location)}

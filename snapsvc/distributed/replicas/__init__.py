@@ -8,8 +8,8 @@ See docs/distributed.md, "Peer replicas".
 """
 
 from .keep import Keeper
-from .ramsteps import ram_latest, ram_step
+from .ramsteps import ram_latest, ram_step, shard_places
 from .send import NODE_ENV, Replicator, held_by, node_id, place_replicas, replica_file
 
 __all__ = ["Keeper", "NODE_ENV", "Replicator", "held_by", "node_id", "place_replicas", "ram_latest",
-           "ram_step", "replica_file"]
+           "ram_step", "replica_file", "shard_places"]

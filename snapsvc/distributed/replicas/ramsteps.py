@@ -36,7 +36,7 @@ from ..manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, rea
     step_dir, step_number
 from .send import held_by, recv_header, recv_to_folder, send_files, verified
 
-__all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT"]
+__all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT", "shard_places"]
 
 log = logging.getLogger("snapsvc")
 
@@ -211,3 +211,32 @@ def _link(path: str, view: str) -> None:
         if os.path.exists(p):
             os.symlink(p, os.path.join(view, os.path.basename(p)))
 
+
+
+def shard_places(directory: str | os.PathLike[str]) -> list[tuple[str, list[list[str]]]]:
+    """Where each rank's file of each step is held, for ``snapsvc ls``: per step
+    folder with a manifest (on disk or memory-only), newest first, its name and per
+    rank the places: ``own RAM``, ``replica RAM (rank H)``, ``disk``. A RAM copy is
+    listed when complete (its metadata there), not checked; no torch.distributed."""
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in sorted((s for s in map(step_number, names) if s is not None), reverse=True):
+        m = _manifest(step_dir(directory, n))
+        if m is None or m.step != n:
+            continue
+        places: list[list[str]] = [[] for _ in range(m.world_size)]
+        for r in range(m.world_size):
+            if held(os.path.join(m.path, m.ranks[r].file)) is not None:
+                places[r].append(OWN)
+        for holder in range(m.world_size):
+            for origin in sorted(held_by(directory, n, holder, m.world_size)):
+                places[origin].append(f"{REPLICA} (rank {holder})")
+        for r in range(m.world_size):
+            if _rank_on_disk(m, r):
+                places[r].append(DISK)
+        out.append((os.path.basename(m.path), places))
+    return out
