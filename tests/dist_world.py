@@ -1,4 +1,4 @@
-"""Spawned gloo worlds on the CPU for the multi-rank tests (test_distributed, test_fsdp).
+"""Gloo worlds of forked processes on the CPU for the multi-rank tests (test_distributed, test_fsdp).
 
 A scenario is a module-level function ``scenario(rank, world, tmp, **kwargs) -> dict``
 run in each rank after ``init_process_group`` (rendezvous through a file in
@@ -25,6 +25,13 @@ from conftest import _shm_entries, shm_leaked
 
 RUN_S = 100.0      # a whole spawned world, start to finish
 
+# What the scenarios import, imported once per test process by multiprocessing's fork
+# server, before anything ran in torch: each rank is a fork of that server (a clean
+# process, as a spawned one, that pays no torch, FSDP or snapsvc import of its own, a few
+# seconds a rank). tests/docs_world.py runs the docs examples the same way.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.tensor", "pytest", "snapsvc", "snapsvc.dcp"]
+
 Scenario = Callable[..., dict]
 
 
@@ -36,7 +43,12 @@ def write_result(tmp: str, rank: int, result: dict) -> None:
 
 
 def rank_main(rank: int, world: int, init: str, tmp: str, scenario: Scenario,
-              kwargs: dict[str, Any]) -> None:
+              kwargs: dict[str, Any], env: dict[str, str], cwd: str) -> None:
+    # the fork server's environment and directory are those of its start: a rank gets the
+    # test's, as a spawned rank does
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     result: dict
     try:
@@ -60,11 +72,13 @@ def run_world(tmp_path, world: int, scenario: Scenario, *, run_s: float = RUN_S,
 
     Returns (exit codes, results); a rank that wrote no result has None.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)   # kept by the server once it runs
     init = f"file://{tmp_path}/rendezvous"
     shm_before = _shm_entries()
     procs = [ctx.Process(target=rank_main, name=f"rank{r}",
-                         args=(r, world, init, str(tmp_path), scenario, kwargs))
+                         args=(r, world, init, str(tmp_path), scenario, kwargs,
+                               dict(os.environ), os.getcwd()))
              for r in range(world)]
     for p in procs:
         p.start()
