@@ -228,7 +228,9 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
     marks the folder. Each must be whole (metadata, files, sizes and CRC-32s:
     :func:`problem`); the others (a copy killed mid-write, a damaged one, a temp
     file) are removed, a damaged one with a warning. Oldest first."""
-    folder = None if directory is None or not os.path.isdir(SHM) else ram_folder(directory)
+    if directory is None or not os.path.isdir(SHM):
+        return []
+    folder = ram_folder(directory)
     if folder is None:
         return []
     claim(os.path.join(folder, "x"))  # first: a process marking it after us is live
