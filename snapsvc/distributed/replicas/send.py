@@ -287,6 +287,9 @@ class Replicator:
         while (job := self.queue.get()) is not None:
             handle, file = job
             if self.broken is not None:
+                # committed, its own copies held: complete in RAM without replicas, so
+                # older steps still leave RAM (each rank on its own: no exchange now)
+                self.keeper.completed(handle.step)
                 _fail(handle, SnapsvcError(f"step {handle.step}: not replicated: replication "
                                            f"stopped after {self.broken}"))
                 continue
