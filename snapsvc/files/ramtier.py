@@ -228,7 +228,10 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
     marks the folder. Each must be whole (metadata, files, sizes and CRC-32s:
     :func:`problem`); the others (a copy killed mid-write, a damaged one, a temp
     file) are removed, a damaged one with a warning. Oldest first."""
-    folder = None if directory is None or not os.path.isdir(SHM) else ram_folder(directory)
+    if directory is None or not os.path.isdir(SHM):
+        return []
+    base = os.path.abspath(os.fspath(directory))
+    folder = ram_folder(base)
     if folder is None:
         return []
     claim(os.path.join(folder, "x"))  # first: a process marking it after us is live
@@ -245,7 +248,7 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
         if why is not None:
             log.warning("a dead sidecar's RAM copy %s is bad (%s): removed", ram, why)
             continue
-        keep.append((os.path.join(os.path.abspath(os.fspath(directory)), name), ram))
+        keep.append((os.path.join(base, name), ram))
         held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
     for name in names:
         if not name.startswith(_OWNER) and name not in held_names:
