@@ -230,7 +230,8 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
     file) are removed, a damaged one with a warning. Oldest first."""
     if directory is None or not os.path.isdir(SHM):
         return []
-    folder = ram_folder(directory)
+    base = os.path.abspath(os.fspath(directory))
+    folder = ram_folder(base)
     if folder is None:
         return []
     claim(os.path.join(folder, "x"))  # first: a process marking it after us is live
@@ -247,7 +248,7 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
         if why is not None:
             log.warning("a dead sidecar's RAM copy %s is bad (%s): removed", ram, why)
             continue
-        keep.append((os.path.join(os.path.abspath(os.fspath(directory)), name), ram))
+        keep.append((os.path.join(base, name), ram))
         held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
     for name in names:
         if not name.startswith(_OWNER) and name not in held_names:

@@ -77,7 +77,7 @@ class Files:
         self.origin: dict[str, str] = {}
         self.sizes: dict[str, int] = {}
         for path, ram in held:  # what a lingering sidecar handed over, or a dead one left
-            if ram in self.origin:
+            if ram in self.origin or not os.path.exists(ram):  # adopted twice, or found bad
                 continue
             claim(ram)
             self.in_ram.setdefault(ram_series(path), []).append(ram)
