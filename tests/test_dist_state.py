@@ -148,7 +148,8 @@ def scenario_state(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-CHANGES = ("first", "trained", "round trip", "set_", "trained again", "renamed", "resized")
+CHANGES = ("first", "trained", "round trip", "set_", "trained again", "renamed", "resized",
+           "replicated", "sharded again")
 
 
 def memo_checks(tmp: str) -> dict:
@@ -158,8 +159,10 @@ def memo_checks(tmp: str) -> dict:
     DTensor, the same shape and dtype, other memory) and after a local tensor was
     given other memory in place (set_); and its piece records as a fresh plan has them,
     also after a plain tensor kept its object under a new key (renamed) and after it
-    changed shape in place (resized): the kept pieces are matched by name, tensor
-    object and the walk's shape and dtype (issue 34)."""
+    changed shape in place (resized), and after a DTensor of the same name, shape and
+    dtype came with other placements (replicated, sharded again): the kept pieces are
+    matched by name, type, the walk's shape and dtype and a DTensor's spec, and hold
+    no tensor (issue 34; tests/test_memo_release.py)."""
     from snapsvc.distributed.manifest import read_manifest
     from snapsvc.distributed.shards import ShardMemo, _state_plan
     rank = torch.distributed.get_rank()
@@ -167,8 +170,10 @@ def memo_checks(tmp: str) -> dict:
     train(model, opt, sched, 1)
     # an OrderedDict, as a model's state_dict() is: its digest packs as the metadata does
     best = torch.arange(4.0)   # a plain tensor: rank 0 writes it
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     state = {"model": model, "optim": opt, "note": collections.OrderedDict(seen=3),
-             "best": {"a": best}}
+             "best": {"a": best}, "spread": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}
     out = {}
     with snapsvc.DistributedSnapshotWriter(os.path.join(tmp, "memo"), coord_timeout=60) as w:
         for step, change in enumerate(CHANGES, 1):
@@ -186,6 +191,10 @@ def memo_checks(tmp: str) -> dict:
                 state["best"] = {"b": best}
             elif change == "resized":
                 best.resize_(6).fill_(2.0)
+            elif change == "replicated":   # the same name, shape and dtype; other placements
+                state["spread"] = distribute_tensor(torch.arange(8.0), mesh, [Replicate()])
+            elif change == "sharded again":
+                state["spread"] = distribute_tensor(torch.arange(8.0) + 1, mesh, [Shard(0)])
             fresh, records, _ = _state_plan(state, rank, ShardMemo())
             want = {n: t.clone() for n, t in [*fresh.params, *fresh.buffers,
                                                *((n, t) for _, n, t in fresh.rest)]}

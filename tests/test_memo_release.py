@@ -113,3 +113,39 @@ def test_a_detached_tensor_is_freed_while_its_model_lives_on(tmp_path, make, aft
         w.submit({"model": m, "opt": opt}, "last.fdl").result(timeout=60)
     back = snapsvc.load(tmp_path / "last.fdl")
     assert torch.equal(back["opt"]["state"][0]["exp_avg"], torch.full_like(moment, 7.0))
+
+
+def _sharded_trained():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp2"])
+def test_a_distributed_submit_is_freed_after_its_write(tmp_path, sharded):
+    """The same for DistributedSnapshotWriter's kept pieces (ShardMemo): a state
+    submitted and dropped is freed while the writer lives, and a tensor replaced in a
+    live state (a new Adam moment) is freed too."""
+    make = _sharded_trained if sharded else _trained
+    with snapsvc.DistributedSnapshotWriter(tmp_path / "ckpt", slots=1) as w:
+        for step in (1, 2):   # the second submit takes the kept pieces
+            m, opt = make()
+            refs = _refs(m, opt)
+            w.submit({"model": m, "opt": opt}, step).result(timeout=60)
+            del m, opt
+            assert not _alive(refs), [type(x).__name__ for x in _alive(refs)]
+        m, opt = make()
+        state = {"model": m, "opt": opt}
+        w.submit(state, 3).result(timeout=60)
+        w.submit(state, 4).result(timeout=60)
+        p = next(iter(m.parameters()))
+        old = weakref.ref(opt.state[p]["exp_avg"])
+        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+        assert not _alive([old])
+        w.submit(state, 5).result(timeout=60)

@@ -142,37 +142,44 @@ def _shard_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, rank:
 
 
 class _Pieces(NamedTuple):
-    """One walk's entries and what this rank stages of each (see :class:`ShardMemo`)."""
+    """One walk's entries and what this rank stages of each (see :class:`ShardMemo`).
+    It holds no tensor (a dropped or replaced one, an optimizer's moment or FSDP2's
+    old shards, is freed at once) and no weak reference to one (``swap_tensors``,
+    which ``.to()`` uses on DTensor parameters, refuses a tensor that has one)."""
 
-    tensors: list[torch.Tensor]           # the flattened state's, in file order
-    names: list[str]                      # their entry names,
-    geometry: list[tuple]                 # and (kind, shape, dtype) as the walk saw them
-    sources: list[torch.Tensor]           # each one's local tensor then (a plain tensor: itself)
-    pieces: list[tuple[torch.Tensor, dict[str, Any]] | None]   # (piece, record), or None
-    dtensors: list[Any]                   # the DTensors this rank stages a piece of,
-    dsources: list[torch.Tensor]          # and their local tensors then (those pieces),
-    dguard: Callable[[list[torch.Tensor]], bool]   # whose shapes and strides it checks
-    staged: tuple[list, ...]   # params, buffers, rest, their geometry (as Flat has them), records
+    names: list[str]                      # the flattened state's entry names, in file order,
+    types: list[type]                     # their tensors' types,
+    geometry: list[tuple]                 # (kind, shape, dtype) as the walk saw them,
+    specs: list[Any]                      # and each DTensor's spec (mesh, placements), or None
+    records: list[dict[str, Any] | None]  # this rank's record of each, or None
+    staged: list[tuple[int, str, str, int, bool]]   # per piece: (params 0, buffers 1 or
+    #                                       rest 2, kind, name, entry index, is a DTensor)
+    geometries: tuple[list, list, list]   # the staged Flat's geometry (as Flat has it)
+    dall: list[int]                       # the DTensor entries, and their specs then:
+    dspecs: list[Any]                     # a record is its spec's and its local shape's
+    dindex: list[int]                     # the DTensors this rank stages a piece of,
+    dguard: Callable[[list[torch.Tensor]], bool]   # whose local shapes and strides it checks
 
 
 def _unchecked(tensors: list[torch.Tensor]) -> bool:
     return False   # a walk's pieces before their guard is made: never the last walk's
 
 
-_NONE = _Pieces([], [], [], [], [], [], [], _unchecked, ([], [], [], [], [], [], []))
+_NONE = _Pieces([], [], [], [], [], [], ([], [], []), [], [], [], _unchecked)
 
 
 class ShardMemo:
     """What the last state submit of a rank found: its walk (:class:`WalkMemo`),
-    and per entry its piece. An entry of the same name, kind, shape and dtype as
-    the walk saw them (its guard checked a reused part's just now) whose tensor is
-    the same object keeps its piece and record while a DTensor's local tensor is
-    still the same object of the same shape (FSDP2 puts a new one in the same
-    DTensor on ``load_state_dict()`` and ``.to()``). The walk's entries are new
-    tuples at every submit (a kept part holds no tensor), so entries are matched
-    by name, not by tuple. A piece is that local tensor itself, copied live: one
-    given other memory in place (``set_``) is copied from there. When every entry
-    is the last walk's, that is checked in a few C-level passes."""
+    and per entry its record. A record is a function of the entry's name, kind,
+    shape and dtype as the walk saw them (its guard checked a reused part's just
+    now), its tensor's type and, for a DTensor, its spec (mesh and placements: the
+    same object while the DTensor is) and its local tensor's shape: an entry whose
+    all of these are as the last submit's keeps its record. The walk's entries are
+    new tuples at every submit (a kept part holds no tensor), so entries are
+    matched by name. A piece is the local tensor (a plain tensor: itself) taken
+    from the state at each submit and copied live: one given other memory in
+    place (``set_``) is copied from there. When every entry is the last walk's,
+    that is checked in a few C-level passes."""
 
     def __init__(self) -> None:
         self.walk = WalkMemo(tensor_guard)
@@ -185,48 +192,57 @@ class ShardMemo:
         entries: list[tuple] = [*flat.params, *flat.buffers, *flat.rest]
         tensors = [e[-1] for e in entries]
         names = [e[-2] for e in entries]
+        types = list(map(type, tensors))
         assert flat.geometry is not None   # a walk's Flat has it
         geometry = [*flat.geometry[0], *flat.geometry[1], *flat.geometry[2]]
-        if len(tensors) == len(last.tensors) and all(map(is_, tensors, last.tensors)) \
-                and names == last.names and geometry == last.geometry \
-                and all(map(is_, map(_LOCAL, last.dtensors), last.dsources)) \
-                and last.dguard(last.dsources):
-            return self._flat(flat, last)
+        if names == last.names and types == last.types and geometry == last.geometry \
+                and all(map(is_, [tensors[i]._spec for i in last.dall], last.dspecs)) \
+                and last.dguard([_LOCAL(tensors[i]) for i in last.dindex]):
+            return self._flat(flat, last, tensors)
         index = {n: i for i, n in enumerate(last.names)}
         dtensor = _dtensor_type() or ()   # loaded: the state holds one
-        now = _Pieces(tensors, names, geometry, [], [], [], [], _unchecked,
-                      ([], [], [], [], [], [], []))
-        *staged, records = now.staged
+        now = _Pieces(names, types, geometry, [], [], [], ([], [], []), [], [], [], _unchecked)
+        locals_: list[torch.Tensor] = []
         n_params, n_buffers = len(flat.params), len(flat.params) + len(flat.buffers)
         for i, (name, t, geo) in enumerate(zip(names, tensors, geometry)):
             kind, to = ("param", 0) if i < n_params else ("buffer", 1) if i < n_buffers \
                 else (entries[i][0], 2)
             is_dtensor = isinstance(t, dtensor)
-            source = _LOCAL(t) if is_dtensor else t
+            source: torch.Tensor = _LOCAL(t) if is_dtensor else t
+            spec = t._spec if is_dtensor else None
             j = index.get(name)
-            piece = last.pieces[j] if j is not None else None
-            if j is None or last.tensors[j] is not t or last.geometry[j] != geo \
-                    or last.sources[j] is not source \
-                    or piece is not None and list(source.shape) != piece[1]["lengths"]:
+            record = last.records[j] if j is not None else None
+            if j is None or last.types[j] is not type(t) or last.geometry[j] != geo \
+                    or last.specs[j] is not spec \
+                    or record is not None and list(source.shape) != record["lengths"]:
                 piece = _piece(name, kind, t, rank)
-            now.sources.append(source)
-            now.pieces.append(piece)
-            if piece is None:
-                continue
-            staged[to].append((kind, name, piece[0]) if to == 2 else (name, piece[0]))
-            staged[to + 3].append((kind, piece[0].shape, piece[0].dtype))
-            records.append(piece[1])
+                record = None if piece is None else piece[1]
+            now.specs.append(spec)
+            now.records.append(record)
             if is_dtensor:
-                now.dtensors.append(t)
-                now.dsources.append(source)
-        self.last = now._replace(dguard=tensor_guard(now.dsources))
-        return self._flat(flat, now)
+                now.dall.append(i)
+                now.dspecs.append(spec)
+            if record is None:
+                continue
+            now.staged.append((to, kind, name, i, is_dtensor))
+            now.geometries[to].append((kind, source.shape, source.dtype))
+            if is_dtensor:
+                now.dindex.append(i)
+                locals_.append(source)
+        self.last = now._replace(dguard=tensor_guard(locals_))
+        return self._flat(flat, now, tensors)
 
     @staticmethod
-    def _flat(flat: Flat, pieces: _Pieces) -> tuple[Flat, list[dict[str, Any]]]:
-        params, buffers, rest, *geometry, records = map(list, pieces.staged)
-        return Flat(params, buffers, rest, flat.tree, flat.structural_hash, flat.kinds,
-                    flat.checked, cast("tuple[list, list, list]", tuple(geometry))), records
+    def _flat(flat: Flat, p: _Pieces, tensors: list[torch.Tensor]
+              ) -> tuple[Flat, list[dict[str, Any]]]:
+        """The staged Flat of ``p``'s pieces, each taken from this submit's ``tensors``."""
+        staged: tuple[list, list, list] = ([], [], [])
+        for to, kind, name, i, local in p.staged:
+            t = _LOCAL(tensors[i]) if local else tensors[i]
+            staged[to].append((kind, name, t) if to == 2 else (name, t))
+        records = [r for r in p.records if r is not None]
+        return Flat(*staged, flat.tree, flat.structural_hash, flat.kinds, flat.checked,
+                    cast("tuple[list, list, list]", tuple(map(list, p.geometries)))), records
 
 
 @torch.no_grad()
