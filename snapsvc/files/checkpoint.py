@@ -454,7 +454,10 @@ class LoadReport:
     the state (``snapsvc.state``'s syntax) instead of entries, lists the
     objects it loaded in ``restored``, and puts the whole saved state, as
     :func:`snapsvc.load` returns it, in ``state`` (non-tensor values cannot
-    be restored in place: read them there).
+    be restored in place: read them there). Its tensors are views of the
+    checked file's mapping, as ``torch.load(mmap=True)`` gives them: while the
+    report or one of them lives, the mapping does (a RAM-tier copy's memory
+    too, even once its sidecar dropped it); clone a tensor to keep it alone.
     """
 
     loaded: list[str] = field(default_factory=list)
