@@ -142,20 +142,27 @@ def test_kept_stage_plan_copies_the_tensors_and_plain_values_of_now(world1, tmp_
                           "param_groups": [{"lr": lr, "betas": (0.9, scale), "params": [0]}]}}
     w = SnapsvcStorageWriter(root / "step_1", coord_timeout=60)
     try:
-        _save(w, state(1.0, 0.1), root, 1)
+        _save(w, {**state(1.0, 0.1), "phase": "start"}, root, 1)
         dtensor._local_tensor = dtensor._local_tensor * 5   # as FSDP2's load_state_dict does
         last = state(3.0, 0.05)
+        last["phase"] = "warmup"
         _save(w, last, root, 2)
+        last["phase"] = "train"
+        _save(w, last, root, 3)
+        _save(w, last, root, 4)   # nothing changed since: the values of step 3, not step 1's
         assert w._plan.planned == 1
     finally:
         w.close()
-    got = _zeroed(last)
-    got["optim"]["param_groups"] = [{"lr": 0.0, "betas": (0.0, 0.0), "params": []}]
-    dcp.load(got, storage_reader=SnapsvcStorageReader(root / "step_2"))
-    assert _same(got["model"], last["model"]) and _same(got["optim"]["state"],
-                                                        last["optim"]["state"])
-    assert got["optim"]["param_groups"][0]["lr"] == 0.05
-    assert tuple(got["optim"]["param_groups"][0]["betas"]) == (0.9, 3.0)
+    for step, phase in ((2, "warmup"), (3, "train"), (4, "train")):
+        got = _zeroed(last)
+        got["optim"]["param_groups"] = [{"lr": 0.0, "betas": (0.0, 0.0), "params": []}]
+        got["phase"] = ""
+        dcp.load(got, storage_reader=SnapsvcStorageReader(root / f"step_{step}"))
+        assert _same(got["model"], last["model"]) and _same(got["optim"]["state"],
+                                                            last["optim"]["state"])
+        assert got["optim"]["param_groups"][0]["lr"] == 0.05, step
+        assert tuple(got["optim"]["param_groups"][0]["betas"]) == (0.9, 3.0), step
+        assert got["phase"] == phase, step
 
 
 @pytest.mark.timeout(120)

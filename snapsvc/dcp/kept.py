@@ -22,6 +22,7 @@ twice, a value DCP stores whole but snapsvc walks into).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -185,15 +186,18 @@ class StagePlan:
                 return None   # planned from scratch: that raises what a plan would
             edits.append((kept.paths[j], values[j]))
         kept.values = values
+        if edits:   # the kept tree holds the values of now, as kept.values does: the next
+            # reuse skips a value that stayed, so the tree must already have it
+            kept.flat = dataclasses.replace(kept.flat, tree=_patched(kept.flat.tree, edits))
         staged = list(leaves)
         for i, items in zip(kept.tensors, kept.items):
             staged[i] = StagedTensor(ticket, items)
         for i in kept.plain:
             staged[i] = _copied(leaves[i])
-        return dict(zip(kept.fqns, staged)), self._flat(kept, leaves, edits)
+        return dict(zip(kept.fqns, staged)), self._flat(kept, leaves)
 
     @staticmethod
-    def _flat(kept: _Kept, leaves: list, edits: list) -> tuple[Flat, list, dict]:
+    def _flat(kept: _Kept, leaves: list) -> tuple[Flat, list, dict]:
         """The kept Flat with the pieces of now: a leaf's tensor, or its local tensor."""
         f = kept.flat
 
@@ -203,7 +207,7 @@ class StagePlan:
         flat = Flat([(n, t) for (n, _), t in zip(f.params, p)],
                      [(n, t) for (n, _), t in zip(f.buffers, b)],
                      [(k, n, t) for (k, n, _), t in zip(f.rest, r)],
-                     _patched(f.tree, edits) if edits else f.tree, f.structural_hash, f.kinds,
+                     f.tree, f.structural_hash, f.kinds,
                      f.checked, None if f.geometry is None else
                      (list(f.geometry[0]), list(f.geometry[1]), list(f.geometry[2])))
         return flat, kept.records, copy.deepcopy(kept.desc)
