@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -37,15 +36,6 @@ from ..state.tree import check_plain
 from .plan import Request, find_pool, pack_body, request
 
 __all__ = ["Dispatcher", "Held", "using", "hold", "send_held", "release_held"]
-
-# A WRITE message up to this size is posted without waiting for the sender thread:
-# far below a Unix socket's buffer (~200 KiB), and at most one per slot is in flight.
-_NO_WAIT_BYTES = 64 << 10
-
-
-def _gone() -> BrokenWriterError:
-    return BrokenWriterError(
-        "the writer sidecar is gone (closed or dead); this snapshot was not written")
 
 
 @dataclass
@@ -151,8 +141,7 @@ class Dispatcher:
         """The slot holds the snapshot: let the writer claim it, then tell it.
 
         If the sidecar is gone (dead, or reaped by a close that timed out),
-        the handle fails here (a small WRITE's, not waited for: on the sender
-        thread), unless the reader thread already failed it.
+        the handle fails here, unless the reader thread already failed it.
         A signal (Ctrl-C, SIGTERM) before the WRITE is posted drops the write
         and frees its slot; once posted, the message goes out whole and is
         written, whatever interrupts the wait for it (see :mod:`.link`).
@@ -172,29 +161,21 @@ class Dispatcher:
                         msg = {**msg, "layout": told[1].to_msg()}
                     elif slot.told[1] is not told[1]:   # new headers, the tensor bytes in place
                         msg = {**msg, "renamed": told[1].renamed_msg()}
-                    data = protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
-                                         sent_at=time.monotonic(), **msg)
-                    # a small WRITE fits the socket's buffer: not waited for, which
-                    # saves the caller a round trip through the sender thread (most
-                    # of a small submit's stall, issue 34); a large one is waited
-                    # for, so a busy sidecar slows the submits that fill its socket
-                    small = len(data) <= _NO_WAIT_BYTES
-                    job = self.sidecar.post(data, on_fail=functools.partial(
-                        self._drop, slot, seq, _gone) if small else None)
+                    job = self.sidecar.post(protocol.pack(protocol.WRITE, seq=seq, slot=slot.id,
+                                                          sent_at=time.monotonic(), **msg))
                     if job is not None:
                         slot.told = told
-            if job is not None and (small or job.wait()):
+            if job is not None and job.wait():
                 return
         except BaseException:
             if job is None:  # never posted: nobody would resolve it
                 self._drop(slot, seq, None)
             raise
-        self._drop(slot, seq, _gone)
+        self._drop(slot, seq, BrokenWriterError(
+            "the writer sidecar is gone (closed or dead); this snapshot was not written"))
 
-    def _drop(self, slot: Slot, seq: int, err: Callable[[], BaseException] | None) -> None:
-        """Fail a booked write the sidecar never heard of (``err`` makes the error; None:
-        interrupted, free its slot). Once: a write failed already (the reader thread
-        saw the sidecar die) is left as it is."""
+    def _drop(self, slot: Slot, seq: int, err: BaseException | None) -> None:
+        """Fail a booked write the sidecar never heard of (``err`` None: interrupted, free its slot)."""
         book = self.book
         with book.cond:
             p = book.pending.pop(seq, None)
@@ -202,13 +183,14 @@ class Dispatcher:
                 slot.seq = None
                 book.counts["broken" if err is not None else "failed"] += 1
                 book.cond.notify_all()
-            error = (book.broken or err()) if err is not None else None
-        if error is None:
+            if err is not None:
+                err = book.broken or err
+        if err is None:
             self.broker.free(slot)
-            error = BrokenWriterError("this submit was interrupted before its snapshot "
-                                      "reached the writer; it was not written")
+            err = BrokenWriterError("this submit was interrupted before its snapshot "
+                                    "reached the writer; it was not written")
         if p is not None:
-            p.handle._future.set_exception(error)
+            p.handle._future.set_exception(err)
 
     def _finish_copy(self, rest: Callable[[], None], slot: Slot, seq: int,
                      msg: dict[str, Any]) -> None:

@@ -110,15 +110,12 @@ class Process:
 
 
 class Sent:
-    """One posted message: :meth:`wait` for whether it reached the socket whole.
-    ``on_fail`` runs on the sender thread if it did not (for a poster that does not wait)."""
+    """One posted message: :meth:`wait` for whether it reached the socket whole."""
 
-    def __init__(self, data: bytes, fd: int | None,
-                 on_fail: Callable[[], None] | None = None) -> None:
+    def __init__(self, data: bytes, fd: int | None) -> None:
         self.data, self.fd = data, fd
         self.ok = False
         self._done = threading.Event()
-        self._on_fail = on_fail
 
     def wait(self) -> bool:
         """True once sent, False if the process was gone. A signal interrupts
@@ -129,11 +126,6 @@ class Sent:
     def finish(self, ok: bool) -> None:
         self.ok = ok
         self._done.set()
-        if not ok and self._on_fail is not None:
-            try:
-                self._on_fail()
-            except Exception:  # noqa: BLE001 - the sender thread must go on
-                log.exception("snapsvc: failing an unsent write raised")
 
 
 def _send_all(outbox: "queue.SimpleQueue[Sent | None]", req: Connection,
@@ -248,16 +240,14 @@ class Sidecar:
         return (Process(popen, sentinel), Connection(os.dup(req_sock.fileno())), req_sock,
                 Connection(rep_r, writable=False), lock)
 
-    def post(self, data: bytes, fd: int | None = None,
-             on_fail: Callable[[], None] | None = None) -> Sent | None:
+    def post(self, data: bytes, fd: int | None = None) -> Sent | None:
         """Queue one message (and a slot's shared-memory fd after it) for the
         sender thread; None if the process is reaped. ``fd`` must stay open
-        until the message is sent. ``on_fail``: run on the sender thread if
-        the message could not be sent (see :class:`Sent`)."""
+        until the message is sent."""
         with self._send_lock:
             if self._outbox is None:
                 return None
-            job = Sent(data, fd, on_fail)
+            job = Sent(data, fd)
             self._outbox.put(job)
             return job
 
@@ -266,11 +256,6 @@ class Sidecar:
         reader thread then fails what is pending)."""
         job = self.post(data, fd)
         return job is not None and job.wait()
-
-    def delivers(self) -> bool:
-        """Whether the calling thread is one of this writer's own (the reader, which runs
-        handles' callbacks, or the sender, which fails an unsent write's handle)."""
-        return threading.current_thread() in (self.reader, self._sender)
 
     def exited(self) -> bool:
         """Has the current process exited? (through its sentinel)"""

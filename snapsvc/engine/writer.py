@@ -7,6 +7,7 @@ what and the locking are drawn in :mod:`snapsvc.engine`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from typing import Any, Callable, Mapping
@@ -271,7 +272,7 @@ class SnapshotWriter:
                                   "another thread")
 
     def _on_reader(self) -> bool:
-        return self._sidecar.delivers()
+        return threading.current_thread() is self._sidecar.reader
 
     def _resolve(self, path: str | os.PathLike[str], create: bool = True, *,
                  optimizer: bool = False) -> str:
