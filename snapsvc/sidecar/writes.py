@@ -173,7 +173,7 @@ class Files:
         # the copies its trainer dropped (a distributed writer with replicas drops steps
         # once newer ones are complete in RAM) are no longer held
         gone = [old for old in mine[:-1] if not os.path.exists(meta_path(old))]
-        for old in gone + mine[:-self.keep_in_memory]:
+        for old in dict.fromkeys(gone + mine[:-self.keep_in_memory]):   # each once
             self._forget(old)
         return []
 

@@ -189,8 +189,11 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
     metadata (``.meta``) last: it vouches for the rest. ``spare(n)``: a file whose
     pages to reuse for ``n`` bytes (renamed to the temp name), or None."""
     temps: list[tuple[str, str]] = []
+    sizes = header["sizes"]
+    received = 0   # the files whose bytes came
     try:
-        for name, n in zip(header["names"], header["sizes"]):
+        for i, (name, n) in enumerate(zip(header["names"], sizes)):
+            received = i if n else i + 1
             final = os.path.join(folder, name)
             temp = f"{final}.{os.getpid()}.tmp"
             reuse = spare(n) if spare is not None and n else None
@@ -202,22 +205,30 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
             try:
                 if n:
                     os.ftruncate(fd, n)
+                    # the pages reserved first: a full tmpfs is ENOSPC here, not a SIGBUS
+                    # when recv() touches a page of the mapping
+                    os.posix_fallocate(fd, 0, n)
                     # pages already there (a spare): their page tables filled at once
                     populate = getattr(mmap, "MAP_POPULATE", 0) if reuse else 0
                     with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate) as mapped:
                         target = torch.frombuffer(mapped, dtype=torch.uint8)
                         dist.recv(target, peer, group=group)
+                        received = i + 1
                         del target   # the mapping closes only once no tensor uses it
             finally:
                 os.close(fd)
         for temp, final in sorted(temps, key=lambda tf: tf[1].endswith(".meta")):
             os.replace(temp, final)
-    except BaseException:
+    except BaseException as e:
         for temp, _ in temps:
             try:
                 os.unlink(temp)
             except FileNotFoundError:
                 pass
+        if isinstance(e, OSError):   # the origin still sends the rest: taken, in step
+            for n in sizes[received:]:
+                if n:
+                    dist.recv(torch.empty(n, dtype=torch.uint8), peer, group=group)
         raise
 
 
