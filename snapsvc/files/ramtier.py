@@ -44,7 +44,7 @@ from .metafile import META_SUFFIX, checkpoint_names, meta_path
 from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
-           "read_first", "drop", "series", "ram_series", "complete", "number", "claim", "adopt",
+           "read_first", "drop", "size_of", "series", "ram_series", "complete", "number", "claim", "adopt",
            "release_marks"]
 
 log = logging.getLogger("snapsvc")
@@ -298,6 +298,17 @@ def good_copy(path: str | os.PathLike[str]) -> str | None:
     warnings.warn(f"the RAM copy of {os.fspath(path)} is bad ({why}); reading it from disk "
                   "instead", RuntimeWarning, stacklevel=2)
     return None
+
+
+def size_of(ram: str) -> int:
+    """The bytes of a RAM copy's files (those that exist)."""
+    total = 0
+    for name in checkpoint_names(ram):
+        try:
+            total += os.stat(name).st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def drop(ram: str) -> None:

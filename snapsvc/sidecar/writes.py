@@ -20,7 +20,7 @@ from typing import Any, Callable
 from ..files.durable import set_aside, unlink_quietly
 from ..files.metafile import Meta, checkpoint_names, meta_path, optim_path, write_with_meta
 from ..files.ramtier import claim, drop, ram_path, ram_series, release_marks, \
-    series as _series
+    series as _series, size_of
 from ..format import kinds, protocol
 from ..format.framing import DATA, Encoder
 from ..format.layout import BUFFER, Layout, OPTIM
@@ -49,17 +49,6 @@ class Encoders:
         self.buffers = [s.name for s in layout.specs if s.kind == BUFFER]
 
 
-def _size(ram: str) -> int:
-    """The bytes of a RAM copy's files."""
-    total = 0
-    for name in checkpoint_names(ram):
-        try:
-            total += os.stat(name).st_size
-        except FileNotFoundError:
-            pass
-    return total
-
-
 class Files:
     """Writes snapshots durably, rotates what ``keep_last`` drops and, with a
     remote tier, hands each durable checkpoint to the uploader thread."""
@@ -82,7 +71,7 @@ class Files:
             claim(ram)
             self.in_ram.setdefault(ram_series(path), []).append(ram)
             self.origin[ram] = path
-            self.sizes[ram] = _size(ram)
+            self.sizes[ram] = size_of(ram)
         self.compress_level = compress_level
         self.written: dict[tuple[str, str], list[str]] = {}  # series -> our files, oldest first
         for old in written:  # what an earlier sidecar of this writer kept
@@ -169,7 +158,7 @@ class Files:
         mine.append(ram)
         self.origin[ram] = path
         self.sizes.pop(ram, None)
-        self.sizes[ram] = _size(ram)  # the newest, last
+        self.sizes[ram] = size_of(ram)  # the newest, last
         # the copies its trainer dropped (a distributed writer with replicas drops steps
         # once newer ones are complete in RAM) are no longer held
         gone = [old for old in mine[:-1] if not os.path.exists(meta_path(old))]

@@ -29,7 +29,7 @@ import logging
 import os
 
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import drop, held, ram_path
+from ...files.ramtier import drop, held, ram_path, size_of
 from ..manifest import step_dir, step_number
 from .send import held_by
 
@@ -40,16 +40,6 @@ log = logging.getLogger("snapsvc")
 SPARES = 4            # spare files a holder keeps for the next replicas
 _MIN_SPARE = 64 << 10  # smaller files are not worth keeping
 _names = itertools.count()
-
-
-def _bytes(ram: str) -> int:
-    total = 0
-    for p in checkpoint_names(ram):
-        try:
-            total += os.stat(p).st_size
-        except FileNotFoundError:
-            pass
-    return total
 
 
 class Keeper:
@@ -153,7 +143,7 @@ class Keeper:
         if self.memory_limit is None:
             return None
         steps = self._steps()
-        held_bytes = {n: sum(map(_bytes, self.copies(n))) for n in steps}
+        held_bytes = {n: sum(map(size_of, self.copies(n))) for n in steps}
         spares = sum(os.path.getsize(p) for p in self.spares())
         if sum(held_bytes.values()) + spares + incoming > self.memory_limit:
             self.clear_spares()   # room before any copy goes
