@@ -65,8 +65,8 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        # msgpack gives back a tuple hyperparameter (Adam's betas) as a list
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+        # a tuple hyperparameter (Adam's betas) comes back a tuple, as torch.load gives it
+        return type(b) is type(a) and len(a) == len(b) and all(map(same, a, b))
     return a == b
 
 
