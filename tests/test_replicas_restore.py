@@ -1,0 +1,157 @@
+"""Issue 32, the restore side: a whole FSDP2 training state through peer replicas.
+
+World 4 as 2 nodes x 2 ranks (``SNAPSVC_NODE``), FSDP2 Linear-ReLU-Linear,
+AdamW, LambdaLR, the global RNG and a loader's state (tests/test_dist_state.py's
+run), ``DistributedSnapshotWriter(replicas=1)``: replicas go A <-> B.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+import snapsvc
+from dist_world import run_world, write_result
+
+pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+from test_dist_state import LOADER, dcp_state, make_run, mismatches, observed, train  # noqa: E402
+from test_replicas import LINGER_S, NODE_OF, _lose  # noqa: E402
+
+
+def _fresh_world(tmp) -> None:
+    for f in glob.glob(os.path.join(str(tmp), "result*.json")) + [os.path.join(str(tmp),
+                                                                               "rendezvous")]:
+        if os.path.exists(f):   # a new world: a fresh rendezvous
+            os.unlink(f)
+
+
+def _drop_replicas(d: str, steps, world: int) -> None:
+    """A failed run must not leave replicas in the tmpfs (a clean close drops them)."""
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.files.ramtier import drop
+    for n in steps:
+        for holder in range(world):
+            for ram in held_by(d, n, holder, world).values():
+                drop(ram)
+
+
+def _log_to(tmp: str, rank: int) -> str:
+    path = os.path.join(tmp, f"log{rank}.txt")
+    logging.basicConfig(level=logging.INFO, filename=path, force=True)
+    return path
+
+
+def _state(model, opt, sched, step: int) -> dict:
+    return {"model": model, "optim": opt, "sched": sched, "rng": torch.get_rng_state(),
+            "loader": {**LOADER, "batch": step}}
+
+
+# -- item 1: node B lost, step 20 (memory-only) resumed from node A's RAM; DCP control ----
+def scenario_fsdp_save(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    os.environ["SNAPSVC_NODE"] = NODE_OF[rank]
+    d = os.path.join(tmp, "ckpt")
+    torch.manual_seed(1234)   # every rank draws the same inputs
+    model, opt, sched = make_run(0)
+    w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S,
+                                          coord_timeout=30).start()
+    train(model, opt, sched, 2)
+    h10 = w.submit(_state(model, opt, sched, 10), 10)   # persisted
+    train(model, opt, sched, 2)
+    h20 = w.submit(_state(model, opt, sched, 20), 20, persist=False)
+    # the control: the same state, DCP's async_save (the scheduler as a Stateful)
+    dcp.async_save(dcp_state(model, opt, sched),
+                   checkpoint_id=os.path.join(tmp, "dcp20")).result(timeout=60)
+    for h in (h10, h20):
+        h.result(30)
+        h.replicated(timeout=30)
+    at_save = observed(model, opt, sched)   # collectives: full tensors
+    train(model, opt, sched, 1)             # the uninterrupted run, one step on
+    want = observed(model, opt, sched)
+    if rank == 0:
+        torch.save({"at_save": at_save, "want": want}, os.path.join(tmp, "expect.pt"))
+    torch.distributed.barrier()
+    if NODE_OF[rank] == "B":   # node B is lost: sidecars, RAM copies, replicas held, files
+        _lose(w, d, rank, world, (10, 20), disk_too=(10, 20))
+    write_result(tmp, rank, {"manifest20": os.path.basename(h20.result(1).manifest)})
+    os.kill(os.getpid(), signal.SIGKILL)   # every trainer dies (the job restarts)
+
+
+def scenario_fsdp_resume(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    os.environ["SNAPSVC_NODE"] = NODE_OF[rank]
+    log = _log_to(tmp, rank)
+    d = os.path.join(tmp, "ckpt")
+    torch.manual_seed(99)   # fresh objects, another seed and RNG
+    model, opt, sched = make_run(7)
+    expect = torch.load(os.path.join(tmp, "expect.pt"))
+    out: dict = {}
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S,
+                                           coord_timeout=30) as w:
+        out["attached"] = w.writer.attached is not None
+        path = snapsvc.latest_checkpoint(d)
+        r = snapsvc.restore_distributed(path, {"model": model, "optim": opt, "sched": sched})
+    out["path"], out["loader"] = os.path.basename(path), r.state["loader"]
+    rng = r.state["rng"]
+    out["at_restore"] = mismatches(expect["at_save"], observed(model, opt, sched))
+    # the control: DCP's copy of the same step, into other fresh objects
+    model3, opt3, sched3 = make_run(7)
+    saved = dcp_state(model3, opt3, sched3)
+    dcp.load(saved, checkpoint_id=os.path.join(tmp, "dcp20"))
+    set_state_dict(model3, opt3, model_state_dict=saved["model"],
+                   optim_state_dict=saved["optim"])
+    out["dcp_at_restore"] = mismatches(expect["at_save"], observed(model3, opt3, sched3))
+    out["same_rng"] = torch.equal(rng, saved["rng"])
+    torch.set_rng_state(rng)
+    train(model, opt, sched, 1)
+    torch.set_rng_state(saved["rng"])
+    train(model3, opt3, sched3, 1)
+    ours, theirs = observed(model, opt, sched), observed(model3, opt3, sched3)
+    out["resumed"] = mismatches(expect["want"], ours)
+    out["dcp_resumed"] = mismatches(expect["want"], theirs)
+    out["each_other"] = mismatches(ours, theirs)
+    with open(log) as f:
+        out["log"] = f.read()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
+    """Steps 10 (persisted) and 20 (memory-only) of a whole FSDP2 training state; node B
+    (ranks 2, 3) is lost: its trainers and sidecars SIGKILLed, its RAM copies and the
+    replicas it held dropped, its files deleted. New node-B processes on the same ids and
+    node A's new trainers resume step 20 bit-exactly (parameters, both AdamW moments,
+    LambdaLR's lrs and last_epoch, RNG, loader), node B's files from node A's RAM, as DCP's
+    async_save of the same step does; one more step matches the uninterrupted run."""
+    d = str(tmp_path / "ckpt")
+    try:
+        codes, results = run_world(tmp_path, 4, scenario_fsdp_save, run_s=150,
+                                   check_shm=False)
+        assert codes == [-signal.SIGKILL] * 4, codes
+        assert {r["manifest20"] for r in results} == {"manifest.ram.msgpack"}
+        assert not glob.glob(os.path.join(d, "step_*", "rank[23].*"))   # node B's files gone
+        _fresh_world(tmp_path)
+        codes, results = run_world(tmp_path, 4, scenario_fsdp_resume, run_s=150)
+        assert codes == [0] * 4, codes
+    finally:
+        _drop_replicas(d, (10, 20), 4)
+    assert [r["attached"] for r in results] == [True, True, False, False]
+    for r, res in enumerate(results):
+        assert res["path"] == "step_20", r
+        assert res["loader"] == {**LOADER, "batch": 20}
+        assert res["same_rng"], r
+        for key in ("at_restore", "dcp_at_restore", "resumed", "dcp_resumed", "each_other"):
+            assert res[key] == [], (r, key, res[key])
+    # node B's files came from node A's RAM (the replicas), node A's from its own
+    log0, log1, log2 = (results[r]["log"] for r in (0, 1, 2))
+    assert "step 20: rank 2's file from rank 0's replica RAM" in log0
+    assert "step 20: rank 3's file from rank 1's replica RAM" in log1
+    assert "step 20: rank 0's file from rank 0's own RAM" in log0
+    assert "step 20: rank 2's file from rank 0's RAM, over the gloo group" in log2
+    assert "from disk" not in log0 + log2
