@@ -121,14 +121,49 @@ def scenario_fsdp_resume(rank, world, tmp):
     return out
 
 
-@pytest.mark.timeout(300)
+# -- item 2: the same step at world 2, straight from node A's RAM (own copies, replicas) --
+def scenario_reshard_from_ram(rank, world, tmp):
+    """Node A alone (ranks 0, 1), no writer: rank r's own RAM copy (its sidecar lingers)
+    and its replica of rank r + 2's file are the whole step; DCP's files the control."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    os.environ["SNAPSVC_NODE"] = NODE_OF[rank]
+    log = _log_to(tmp, rank)
+    d = os.path.join(tmp, "ckpt")
+    torch.manual_seed(99)
+    model, opt, sched = make_run(7)
+    expect = torch.load(os.path.join(tmp, "expect.pt"))
+    path = snapsvc.latest_checkpoint(d)
+    r = snapsvc.restore_distributed(path, {"model": model, "optim": opt, "sched": sched})
+    out = {"path": os.path.basename(path), "loader": r.state["loader"],
+           "at_restore": mismatches(expect["at_save"], observed(model, opt, sched))}
+    model3, opt3, sched3 = make_run(7)   # the control: DCP resharding its files
+    saved = dcp_state(model3, opt3, sched3)
+    dcp.load(saved, checkpoint_id=os.path.join(tmp, "dcp20"))
+    set_state_dict(model3, opt3, model_state_dict=saved["model"],
+                   optim_state_dict=saved["optim"])
+    out["dcp_at_restore"] = mismatches(expect["at_save"], observed(model3, opt3, sched3))
+    torch.set_rng_state(r.state["rng"])
+    train(model, opt, sched, 1)
+    torch.set_rng_state(saved["rng"])
+    train(model3, opt3, sched3, 1)
+    out["each_other"] = mismatches(observed(model, opt, sched), observed(model3, opt3, sched3))
+    with open(log) as f:
+        out["log"] = f.read()
+    return out
+
+
+@pytest.mark.slow   # three worlds (4, 2, 4 ranks) of FSDP2: 60-80 s on a loaded 2-core box
+@pytest.mark.timeout(400)
 def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
     """Steps 10 (persisted) and 20 (memory-only) of a whole FSDP2 training state; node B
     (ranks 2, 3) is lost: its trainers and sidecars SIGKILLed, its RAM copies and the
     replicas it held dropped, its files deleted. New node-B processes on the same ids and
     node A's new trainers resume step 20 bit-exactly (parameters, both AdamW moments,
     LambdaLR's lrs and last_epoch, RNG, loader), node B's files from node A's RAM, as DCP's
-    async_save of the same step does; one more step matches the uninterrupted run."""
+    async_save of the same step does; one more step matches the uninterrupted run.
+    Before that, node A alone (world 2) restores step 20 resharded, straight from its RAM
+    (own copies and the replicas of node B's files), bit-exactly, as DCP's files do."""
     d = str(tmp_path / "ckpt")
     try:
         codes, results = run_world(tmp_path, 4, scenario_fsdp_save, run_s=150,
@@ -136,6 +171,10 @@ def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
         assert codes == [-signal.SIGKILL] * 4, codes
         assert {r["manifest20"] for r in results} == {"manifest.ram.msgpack"}
         assert not glob.glob(os.path.join(d, "step_*", "rank[23].*"))   # node B's files gone
+        _fresh_world(tmp_path)
+        codes, resharded = run_world(tmp_path, 2, scenario_reshard_from_ram, run_s=120,
+                                     check_shm=False)
+        assert codes == [0] * 2, codes
         _fresh_world(tmp_path)
         codes, results = run_world(tmp_path, 4, scenario_fsdp_resume, run_s=150)
         assert codes == [0] * 4, codes
@@ -155,3 +194,16 @@ def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
     assert "step 20: rank 0's file from rank 0's own RAM" in log0
     assert "step 20: rank 2's file from rank 0's RAM, over the gloo group" in log2
     assert "from disk" not in log0 + log2
+    # item 2: at world 2, bit-exactly, from RAM only: own copies and replicas
+    for r, res in enumerate(resharded):
+        assert res["path"] == "step_20" and res["loader"] == {**LOADER, "batch": 20}
+        for key in ("at_restore", "dcp_at_restore", "each_other"):
+            assert res[key] == [], (r, key, res[key])
+    for r, res in enumerate(resharded):
+        for origin, source in ((0, "rank 0's own RAM"), (1, "rank 1's own RAM"),
+                               (2, "rank 0's replica RAM"), (3, "rank 1's replica RAM")):
+            held_here = source.startswith(f"rank {r}'")
+            line = (f"step 20: rank {origin}'s file from {source}" if held_here else
+                    f"step 20: rank {origin}'s file from rank {1 - r}'s RAM, over the gloo group")
+            assert line in res["log"], (r, line, res["log"])
+        assert "from disk" not in res["log"]
