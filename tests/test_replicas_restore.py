@@ -22,6 +22,8 @@ pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distribu
 from test_dist_state import LOADER, dcp_state, make_run, mismatches, observed, train  # noqa: E402
 from test_replicas import LINGER_S, NODE_OF, _lose  # noqa: E402
 
+pytest_plugins = ["remote_fixtures"]  # s3
+
 
 def _fresh_world(tmp) -> None:
     for f in glob.glob(os.path.join(str(tmp), "result*.json")) + [os.path.join(str(tmp),
@@ -207,3 +209,118 @@ def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
                     f"step 20: rank {origin}'s file from rank {1 - r}'s RAM, over the gloo group")
             assert line in res["log"], (r, line, res["log"])
         assert "from disk" not in res["log"]
+
+
+# -- item 3: the remote tier, the last of the four sources ---------------------------------
+TWO_NODES = {0: "A", 1: "B"}
+
+
+def scenario_remote_save(rank, world, tmp, remote):
+    from test_replicas import _train, _trainer
+    os.environ["SNAPSVC_NODE"] = TWO_NODES[rank]
+    d = os.path.join(tmp, "ckpt")
+    model, opt = _trainer(rank, 1)
+    w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
+                                          coord_timeout=30).start()
+    handles = {}
+    for step in (5, 10):   # both persisted, and uploaded
+        handles[step] = w.submit(model, step, optimizer=opt)
+        torch.save(model.state_dict(), os.path.join(tmp, f"expect{step}_{rank}.pt"))
+        _train(model, opt)
+    urls = [h.uploaded(timeout=60) for h in handles.values()]
+    for h in handles.values():
+        h.replicated(timeout=30)
+    if TWO_NODES[rank] == "B":   # node B is lost: its sidecar, RAM copies, replicas held
+        _lose(w, d, rank, world, (5, 10), disk_too=(5, 10))
+    write_result(tmp, rank, {"urls": urls})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_remote_resume(rank, world, tmp, remote):
+    from test_replicas import _trainer
+    os.environ["SNAPSVC_NODE"] = TWO_NODES[rank]
+    log = _log_to(tmp, rank)
+    d = os.path.join(tmp, "ckpt")
+    model, opt = _trainer(rank, 2)
+    out: dict = {}
+
+    def attempt(step: int, **kw) -> str:
+        try:
+            snapsvc.restore_distributed(os.path.join(d, f"step_{step}"), model, opt, **kw)
+        except snapsvc.SnapsvcError as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    def same(step: int) -> bool:
+        want = torch.load(os.path.join(tmp, f"expect{step}_{rank}.pt"))
+        return all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
+                                           coord_timeout=30) as w:
+        out["attached"] = w.writer.attached is not None
+        out["latest"] = snapsvc.latest_checkpoint(d, remote=remote)
+        out["without_remote"] = attempt(10)
+        out["step10"] = attempt(10, remote=remote)
+        out["same10"] = same(10)
+        out["step5"] = attempt(5, remote=remote)   # rank 1's only copy is bad
+        out["still10"] = same(10)                  # nothing changed on the failed rank
+    with open(log) as f:
+        out["log"] = f.read()
+    return out
+
+
+def _flip(data: bytes) -> bytes:
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF
+    return bytes(bad)
+
+
+@pytest.mark.slow   # two worlds with moto uploads: 50-75 s on a loaded 2-core box
+@pytest.mark.timeout(240)
+def test_remote_tier_is_the_last_source(s3, tmp_path):
+    """World 2 as nodes A and B, replicas=1, remote=S3 (moto); steps 5 and 10 persisted
+    and uploaded; node B is lost (sidecar, RAM, disk). Rank 0's replica of rank 1's step
+    10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
+    disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
+    1's from the remote tier, CRC-checked, bit-exactly; the bad replica is skipped and
+    logged with the rank and the source. Without remote= it is an error naming rank 1.
+    Step 5's remote copy of rank 1's file is corrupted too: skipped, logged, and the
+    restore fails on rank 1 without changing its model."""
+    from snapsvc.distributed.replicas import held_by
+    d = str(tmp_path / "ckpt")
+    try:
+        codes, results = run_world(tmp_path, 2, scenario_remote_save, run_s=150,
+                                   check_shm=False, remote=s3.url)
+        assert codes == [-signal.SIGKILL] * 2, codes
+        assert results[0]["urls"] == [f"{s3.url}/step_5", f"{s3.url}/step_10"]
+        assert not glob.glob(os.path.join(d, "step_*", "rank1.*"))
+        replica = held_by(d, 10, 0, 2)[1]   # rank 0's RAM copy of rank 1's step 10
+        with open(replica, "rb") as f:
+            bad = _flip(f.read())
+        with open(replica, "r+b") as f:
+            f.write(bad)
+        _drop_replicas(d, (5,), 2)
+        s3.write("step_5/rank1.fdl", _flip(s3.read("step_5/rank1.fdl")))
+        _fresh_world(tmp_path)
+        codes, results = run_world(tmp_path, 2, scenario_remote_resume, run_s=150,
+                                   remote=s3.url)
+        assert codes == [0, 0], codes
+    finally:
+        _drop_replicas(d, (5, 10), 2)
+    r0, r1 = results
+    assert [r0["attached"], r1["attached"]] == [True, False]
+    # latest_checkpoint: the same answer on both ranks (the local step is not whole)
+    assert r0["latest"] == r1["latest"] == f"{s3.url}/step_10"
+    assert r0["without_remote"] == "ok"
+    assert "no good copy of rank 1's file" in r1["without_remote"]
+    assert r0["step10"] == r1["step10"] == "ok" and r0["same10"] and r1["same10"]
+    assert "rank 0's replica of rank 1's file of step 10 is bad, skipped" in r0["log"]
+    assert ("step 10: rank 0's file from rank 0's own RAM" in r0["log"]
+            or "step 10: rank 0's file from disk" in r0["log"])   # a persisted step's RAM copy
+    assert "rank 1's file from" not in r0["log"]   # rank 0 needs only its own
+    assert f"step 10: rank 1's file from the remote tier ({s3.url}/step_10/rank1.fdl)" \
+        in r1["log"]
+    assert r0["step5"] == "ok"
+    assert "no good copy of rank 1's file" in r1["step5"] and "remote tier" in r1["step5"]
+    assert "rank 1's file of step 5 on the remote tier is bad, skipped" in r1["log"]
+    assert r1["still10"]

@@ -40,7 +40,8 @@ log = logging.getLogger("snapsvc")
 def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping[Any, Any],
                         optimizer: torch.optim.Optimizer | None = None,
                         process_group: Any = None, *, strict: bool = False,
-                        verify: bool = True, timeout: float | None = None) -> LoadReport:
+                        verify: bool = True, timeout: float | None = None,
+                        remote: str | os.PathLike[str] | None = None) -> LoadReport:
     """Restore this rank's part of a complete multi-rank checkpoint.
 
     ``restore_distributed(path, state_mapping, process_group=None, *, strict,
@@ -75,8 +76,12 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
 
     A local step whose rank files are not all on disk (a memory-only step, or a
     lost node's files) is read from RAM: each rank file this rank needs comes
-    from its first live source, in the order its own RAM, a peer's replica
-    (sent over a gloo group), the disk; each is checked as a file on disk is.
+    from its first good source, in the order its own RAM, a peer's replica
+    (sent over a gloo group), the disk, and last ``remote`` (the remote tier as
+    given to ``DistributedSnapshotWriter``: a URL, fetched within ``timeout``, or
+    a mounted directory), its copy of the same step. Each copy is checked (its
+    CRC-32s, and that it is the one the manifest committed) before it is used: a
+    bad one is logged with the rank and the source and skipped for the next.
     This is a collective: every rank must call it (see docs/distributed.md).
     """
     # (path, state_mapping, process_group): the third argument is the group
@@ -85,7 +90,8 @@ def restore_distributed(path: str | os.PathLike[str], model: nn.Module | Mapping
         return _restore(open_step(path, timeout), model, optimizer, process_group, strict,
                         verify)
     # a step not wholly on disk: each needed rank file from its first live copy (RAM)
-    with ram_step(os.fspath(path), group, _sharded(os.fspath(path))) as in_ram:
+    with ram_step(os.fspath(path), group, _sharded(os.fspath(path)), remote,
+                  timeout) as in_ram:
         step = open_step(path, timeout) if in_ram is None else LocalStep(in_ram)
         return _restore(step, model, optimizer, process_group, strict, verify)
 

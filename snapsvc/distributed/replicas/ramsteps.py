@@ -10,10 +10,13 @@ rank and the source, and never offered), then every rank gathers every
 rank's list and takes the same answer.
 
 Reading such a step: per rank file needed (this rank's own; every rank's for
-a sharded checkpoint), the first source in the order own RAM, a peer's
-replica (sent over a gloo group), the disk. The files land in a private
-folder laid out as the step directory, which the usual readers then read
-and check as they check a step on disk.
+a sharded checkpoint), the first good source in the order own RAM, a peer's
+replica (sent over a gloo group), the disk, the remote tier (when given).
+Each copy is checked (its CRC-32s, and that its metadata is the one the
+manifest committed) before it is used; a bad one is logged with the rank and
+the source and skipped for the next. The files land in a private folder laid
+out as the step directory, which the usual readers then read and check as
+they check a step on disk.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from ...errors import SnapsvcError
+from ...files.meta import read_meta
 from ...files.metafile import checkpoint_names
 from ...files.ramtier import held
+from ...remote.fetch import fetched
+from ...remote.store import is_url
 from ..coord import _all_gather_msg, _new_group
-from ..manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _missing, read_manifest, \
-    step_dir, step_number
+from ..manifest import MANIFEST_NAME, RAM_MANIFEST_NAME, Manifest, _committed, _missing, \
+    read_manifest, step_dir, step_number
 from .send import held_by, recv_header, recv_to_folder, send_files, verified
 
 __all__ = ["ram_latest", "ram_step", "RAM_TIMEOUT", "shard_places"]
@@ -42,7 +48,7 @@ log = logging.getLogger("snapsvc")
 
 RAM_TIMEOUT = 300.0   # seconds a rank waits for the others in these collectives
 
-OWN, REPLICA, DISK = "own RAM", "replica RAM", "disk"
+OWN, REPLICA, DISK, REMOTE = "own RAM", "replica RAM", "disk", "the remote tier"
 
 
 def _manifest(path: str) -> Manifest | None:
@@ -136,12 +142,14 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
 
 
 @contextlib.contextmanager
-def ram_step(path: str, process_group: Any, every_rank: bool) -> Iterator[Manifest | None]:
+def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None,
+             timeout: float | None = None) -> Iterator[Manifest | None]:
     """The step ``path`` as a manifest whose ``path`` is a private folder holding the
     rank files this rank needs (its own; every rank's with ``every_rank``), each from
-    its first live source; None (no collective) when the disk holds the whole step
-    or torch.distributed is not initialized (the disk readers then say what is wrong).
-    A collective over the world otherwise."""
+    its first good source, ``remote`` (a URL or a mounted directory: the writer's
+    remote tier, read within ``timeout``) last; None (no collective) when the disk
+    holds the whole step or torch.distributed is not initialized (the disk readers
+    then say what is wrong). A collective over the world otherwise."""
     m = _manifest(path)
     if m is None:
         yield None   # the readers say what is missing
@@ -158,34 +166,34 @@ def ram_step(path: str, process_group: Any, every_rank: bool) -> Iterator[Manife
     needs = list(range(m.world_size)) if every_rank else [rank] if rank < m.world_size else [0]
     view = tempfile.mkdtemp(prefix=f"snapsvc-step{m.step}-rank{rank}-")
     try:
-        with _group(process_group) as group:
-            tables = _all_gather_msg({"have": sorted(copies), "needs": needs}, world, group)
-            for origin in range(m.world_size):
-                _serve(m, origin, tables, copies, rank, group, view)
-        yield dataclasses.replace(m, path=view)
+        with contextlib.ExitStack() as fetches:   # remote copies live until the read is done
+            failed: SnapsvcError | None = None
+            with _group(process_group) as group:
+                tables = _all_gather_msg({"have": sorted(copies), "needs": needs}, world, group)
+                for origin in range(m.world_size):
+                    if _serve(m, origin, tables, copies, rank, group, view):
+                        try:
+                            _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
+                        except SnapsvcError as e:   # raised after the walk: the others
+                            failed = failed or e    # still get what this rank sends
+            if failed is not None:
+                raise failed
+            yield dataclasses.replace(m, path=view)
     finally:
         shutil.rmtree(view, ignore_errors=True)
 
 
 def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
-           copies: dict[int, tuple[str, str]], rank: int, group: Any, view: str) -> None:
-    """Bring ``origin``'s rank file to every rank that needs it (the same walk on every rank)."""
+           copies: dict[int, tuple[str, str]], rank: int, group: Any, view: str) -> bool:
+    """Bring ``origin``'s rank file to every rank that needs it from a RAM copy (the
+    same walk on every rank). True: no rank holds one, and this rank needs it."""
     needers = [r for r, t in enumerate(tables) if origin in t["needs"]]
     if not needers:
-        return
+        return False
     holders = [r for r, t in enumerate(tables) if origin in t["have"]]
     holders.sort(key=lambda r: (r != origin, r))   # its own RAM first, then replicas
-    disk = os.path.join(m.path, m.ranks[origin].file)
     if not holders:
-        if rank in needers:
-            if os.path.exists(disk):   # damaged or whole: the readers check it as on disk
-                _link(disk, view)
-                log.info("step %d: rank %d's file from %s", m.step, origin, DISK)
-            else:
-                raise SnapsvcError(f"{m.path}: no live copy of rank {origin}'s file (not in its "
-                                   "own RAM, no replica in a peer's RAM, not on disk): restore "
-                                   "an older step (latest_checkpoint finds one)")
-        return
+        return rank in needers
     h = holders[0]
     if rank == h:
         source, ram = copies[origin]
@@ -203,6 +211,59 @@ def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
         recv_to_folder(h, group, header, view)
         log.info("step %d: rank %d's file from rank %d's RAM, over the gloo group",
                  m.step, origin, h)
+    return False
+
+
+def _from_disk_or_remote(m: Manifest, origin: int, view: str, remote: Any,
+                         timeout: float | None, fetches: contextlib.ExitStack) -> None:
+    """``origin``'s rank file, held in no RAM copy, into ``view`` from the disk, else
+    from ``remote``'s copy of the step: the first one whole and committed."""
+    name = m.ranks[origin].file
+    disk = os.path.join(m.path, name)
+    if os.path.exists(disk) and _good(m, origin, disk, DISK):
+        _link(disk, view)
+        log.info("step %d: rank %d's file from %s", m.step, origin, DISK)
+        return
+    if remote is not None:
+        where = f"{os.fspath(remote).rstrip('/')}/{os.path.basename(m.path)}/{name}"
+        copy = _fetch(where, m, origin, timeout, fetches)
+        if copy is not None and _good(m, origin, copy, f"{REMOTE} ({where})"):
+            _link(copy, view)
+            log.info("step %d: rank %d's file from %s (%s)", m.step, origin, REMOTE, where)
+            return
+    raise SnapsvcError(f"{m.path}: no good copy of rank {origin}'s file (not in its own RAM, "
+                       "no replica in a peer's RAM, not whole on disk"
+                       f"{'' if remote is None else ', not whole on the remote tier'}): restore "
+                       "an older step (latest_checkpoint finds one)")
+
+
+def _fetch(where: str, m: Manifest, origin: int, timeout: float | None,
+           fetches: contextlib.ExitStack) -> str | None:
+    """A local path of the remote copy ``where`` (an object store's, fetched and held by
+    ``fetches``; a mounted directory's as it is); None when it is missing or bad."""
+    if not is_url(where):
+        return where if os.path.exists(where) else None
+    try:
+        return fetches.enter_context(fetched(where, timeout=timeout))
+    except (SnapsvcError, OSError) as e:   # a bad or missing copy: logged, no next source
+        log.warning("snapsvc: rank %d's file of step %d on %s is bad, skipped: %s", origin,
+                    m.step, REMOTE, e)
+        return None
+
+
+def _good(m: Manifest, origin: int, path: str, source: str) -> bool:
+    """The copy at ``path`` of ``origin``'s files passes its CRC-32 checks and is the one
+    the manifest committed; else logged with the rank and ``source``."""
+    what = f"rank {origin}'s file of step {m.step} on {source}"
+    if not verified(path, what):
+        return False
+    for role, _, in_meta, in_manifest in _committed(m.ranks[origin], read_meta(path)):
+        if in_meta != in_manifest:
+            log.warning("snapsvc: %s is bad, skipped: its %s records size %s and CRC-32 %s, "
+                        "the manifest %s and %s (not the committed copy)", what, role,
+                        *in_meta, *in_manifest)
+            return False
+    return True
 
 
 def _link(path: str, view: str) -> None:
