@@ -223,15 +223,15 @@ def scenario_remote_save(rank, world, tmp, remote):
     w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
                                           coord_timeout=30).start()
     handles = {}
-    for step in (5, 10):   # both persisted, and uploaded
-        handles[step] = w.submit(model, step, optimizer=opt)
+    for step in (5, 10, 15):   # 5, 10 persisted and uploaded; 15 memory-only
+        handles[step] = w.submit(model, step, optimizer=opt, persist=step != 15)
         torch.save(model.state_dict(), os.path.join(tmp, f"expect{step}_{rank}.pt"))
         _train(model, opt)
-    urls = [h.uploaded(timeout=60) for h in handles.values()]
+    urls = [handles[n].uploaded(timeout=60) for n in (5, 10)]
     for h in handles.values():
         h.replicated(timeout=30)
     if TWO_NODES[rank] == "B":   # node B is lost: its sidecar, RAM copies, replicas held
-        _lose(w, d, rank, world, (5, 10), disk_too=(5, 10))
+        _lose(w, d, rank, world, (5, 10, 15), disk_too=(5, 10))
     write_result(tmp, rank, {"urls": urls})
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -258,7 +258,11 @@ def scenario_remote_resume(rank, world, tmp, remote):
     with snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
                                            coord_timeout=30) as w:
         out["attached"] = w.writer.attached is not None
+        # step 15, memory-only, is complete in RAM (rank 1's file in rank 0's replica)
+        # and newer than the remote tier's newest: every rank takes it
         out["latest"] = snapsvc.latest_checkpoint(d, remote=remote)
+        out["step15"] = attempt(15, remote=remote)
+        out["same15"] = same(15)
         out["without_remote"] = attempt(10)
         out["step10"] = attempt(10, remote=remote)
         out["same10"] = same(10)
@@ -279,7 +283,8 @@ def _flip(data: bytes) -> bytes:
 @pytest.mark.timeout(240)
 def test_remote_tier_is_the_last_source(s3, tmp_path):
     """World 2 as nodes A and B, replicas=1, remote=S3 (moto); steps 5 and 10 persisted
-    and uploaded; node B is lost (sidecar, RAM, disk). Rank 0's replica of rank 1's step
+    and uploaded, 15 memory-only; node B is lost (sidecar, RAM, disk). latest_checkpoint(
+    remote=) takes step 15, complete in RAM, on both ranks, and it restores. Rank 0's replica of rank 1's step
     10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
     disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
     1's from the remote tier, CRC-checked, bit-exactly; the bad replica is skipped and
@@ -309,15 +314,18 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
         _drop_replicas(d, (5, 10), 2)
     r0, r1 = results
     assert [r0["attached"], r1["attached"]] == [True, False]
-    # latest_checkpoint: the same answer on both ranks (the local step is not whole)
-    assert r0["latest"] == r1["latest"] == f"{s3.url}/step_10"
+    # latest_checkpoint(remote=): a step complete in RAM newer than the remote tier's
+    # newest, the same on both ranks
+    assert r0["latest"] == r1["latest"] == os.path.join(d, "step_15")
+    assert r0["step15"] == r1["step15"] == "ok" and r0["same15"] and r1["same15"]
+    assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]
     assert r0["without_remote"] == "ok"
     assert "no good copy of rank 1's file" in r1["without_remote"]
     assert r0["step10"] == r1["step10"] == "ok" and r0["same10"] and r1["same10"]
     assert "rank 0's replica of rank 1's file of step 10 is bad, skipped" in r0["log"]
     assert ("step 10: rank 0's file from rank 0's own RAM" in r0["log"]
             or "step 10: rank 0's file from disk" in r0["log"])   # a persisted step's RAM copy
-    assert "rank 1's file from" not in r0["log"]   # rank 0 needs only its own
+    assert "step 10: rank 1's file from" not in r0["log"]   # rank 0 needs only its own
     assert f"step 10: rank 1's file from the remote tier ({s3.url}/step_10/rank1.fdl)" \
         in r1["log"]
     assert r0["step5"] == "ok"
