@@ -155,7 +155,7 @@ def scenario_reshard_from_ram(rank, world, tmp):
     return out
 
 
-@pytest.mark.slow   # three worlds (4, 2, 4 ranks) of FSDP2: 60-80 s on a loaded 2-core box
+@pytest.mark.slow   # three worlds (4, 2, 4 ranks) of FSDP2: ~26 s on a loaded 2-core box
 @pytest.mark.timeout(400)
 def test_fsdp_state_node_lost_resumes_from_peer_ram_like_dcp(tmp_path):
     """Steps 10 (persisted) and 20 (memory-only) of a whole FSDP2 training state; node B
@@ -279,8 +279,7 @@ def _flip(data: bytes) -> bytes:
     return bytes(bad)
 
 
-@pytest.mark.slow   # two worlds with moto uploads: 50-75 s on a loaded 2-core box
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)   # ~9 s beside the other world tests (the fork server is up)
 def test_remote_tier_is_the_last_source(s3, tmp_path):
     """World 2 as nodes A and B, replicas=1, remote=S3 (moto); steps 5 and 10 persisted
     and uploaded, 15 memory-only; node B is lost (sidecar, RAM, disk). latest_checkpoint(
