@@ -247,9 +247,10 @@ def _fetch(where: str, m: Manifest, origin: int, timeout: float | None,
         return where if os.path.exists(where) else None
     try:
         return fetches.enter_context(fetched(where, timeout=timeout))
-    except (SnapsvcError, OSError) as e:   # a bad or missing copy: logged, no next source
-        log.warning("snapsvc: rank %d's file of step %d on %s is bad, skipped: %s", origin,
-                    m.step, REMOTE, e)
+    except (SnapsvcError, OSError) as e:   # logged; there is no next source
+        why = "is bad" if isinstance(e, SnapsvcError) else "could not be read"
+        log.warning("snapsvc: rank %d's file of step %d on %s %s, skipped: %s", origin,
+                    m.step, REMOTE, why, e)
         return None
 
 
