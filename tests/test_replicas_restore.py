@@ -266,6 +266,9 @@ def scenario_remote_resume(rank, world, tmp, remote):
         out["without_remote"] = attempt(10)
         out["step10"] = attempt(10, remote=remote)
         out["same10"] = same(10)
+        model.load_state_dict(_trainer(rank, 2)[0].state_dict())
+        out["mounted"] = attempt(10, remote=os.path.join(tmp, "mounted"))   # a mounted remote
+        out["same_mounted"] = same(10)
         out["step5"] = attempt(5, remote=remote)   # rank 1's only copy is bad
         out["still10"] = same(10)                  # nothing changed on the failed rank
     with open(log) as f:
@@ -286,8 +289,8 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     remote=) takes step 15, complete in RAM, on both ranks, and it restores. Rank 0's replica of rank 1's step
     10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
     disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
-    1's from the remote tier, CRC-checked, bit-exactly; the bad replica is skipped and
-    logged with the rank and the source. Without remote= it is an error naming rank 1.
+    1's from the remote tier, CRC-checked, bit-exactly (from S3, and from a mounted
+    directory); the bad replica is skipped and logged with the rank and the source. Without remote= it is an error naming rank 1.
     Step 5's remote copy of rank 1's file is corrupted too: skipped, logged, and the
     restore fails on rank 1 without changing its model."""
     from snapsvc.distributed.replicas import held_by
@@ -304,6 +307,10 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
         with open(replica, "r+b") as f:
             f.write(bad)
         _drop_replicas(d, (5,), 2)
+        mounted = tmp_path / "mounted" / "step_10"   # the remote tier as a mounted directory
+        mounted.mkdir(parents=True)
+        for key in [k for k in s3.keys() if k.startswith("step_10/rank1.")]:
+            (mounted / key.partition("/")[2]).write_bytes(s3.read(key))
         s3.write("step_5/rank1.fdl", _flip(s3.read("step_5/rank1.fdl")))
         _fresh_world(tmp_path)
         codes, results = run_world(tmp_path, 2, scenario_remote_resume, run_s=150,
@@ -326,6 +333,9 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
             or "step 10: rank 0's file from disk" in r0["log"])   # a persisted step's RAM copy
     assert "step 10: rank 1's file from" not in r0["log"]   # rank 0 needs only its own
     assert f"step 10: rank 1's file from the remote tier ({s3.url}/step_10/rank1.fdl)" \
+        in r1["log"]
+    assert r1["mounted"] == "ok" and r1["same_mounted"]
+    assert f"step 10: rank 1's file from the remote tier ({tmp_path}/mounted/step_10/rank1.fdl)" \
         in r1["log"]
     assert r0["step5"] == "ok"
     assert "no good copy of rank 1's file" in r1["step5"] and "remote tier" in r1["step5"]
