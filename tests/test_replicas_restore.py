@@ -221,17 +221,17 @@ def scenario_remote_save(rank, world, tmp, remote):
     d = os.path.join(tmp, "ckpt")
     model, opt = _trainer(rank, 1)
     w = snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
-                                          coord_timeout=30).start()
+                                          keep_in_memory=4, coord_timeout=30).start()
     handles = {}
-    for step in (5, 10, 15):   # 5, 10 persisted and uploaded; 15 memory-only
+    for step in (5, 10, 15, 20):   # 15 memory-only; the others persisted and uploaded
         handles[step] = w.submit(model, step, optimizer=opt, persist=step != 15)
         torch.save(model.state_dict(), os.path.join(tmp, f"expect{step}_{rank}.pt"))
         _train(model, opt)
-    urls = [handles[n].uploaded(timeout=60) for n in (5, 10)]
+    urls = [handles[n].uploaded(timeout=60) for n in (5, 10, 20)]
     for h in handles.values():
         h.replicated(timeout=30)
     if TWO_NODES[rank] == "B":   # node B is lost: its sidecar, RAM copies, replicas held
-        _lose(w, d, rank, world, (5, 10, 15), disk_too=(5, 10))
+        _lose(w, d, rank, world, (5, 10, 15, 20), disk_too=(5, 10, 20))
     write_result(tmp, rank, {"urls": urls})
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -256,11 +256,15 @@ def scenario_remote_resume(rank, world, tmp, remote):
         return all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
     with snapsvc.DistributedSnapshotWriter(d, replicas=1, linger=LINGER_S, remote=remote,
-                                           coord_timeout=30) as w:
+                                           keep_in_memory=4, coord_timeout=30) as w:
         out["attached"] = w.writer.attached is not None
         # step 15, memory-only, is complete in RAM (rank 1's file in rank 0's replica)
         # and newer than the remote tier's newest: every rank takes it
         out["latest"] = snapsvc.latest_checkpoint(d, remote=remote)
+        # a step committed remotely between the ranks' listings: rank 0's listing has
+        # step 20 (a mounted remote holding it), rank 1's not yet: one answer, no hang
+        seen = os.path.join(tmp, "mounted20") if rank == 0 else None
+        out["latest_race"] = snapsvc.latest_checkpoint(d, remote=seen)
         out["step15"] = attempt(15, remote=remote)
         out["same15"] = same(15)
         out["without_remote"] = attempt(10)
@@ -286,7 +290,9 @@ def _flip(data: bytes) -> bytes:
 def test_remote_tier_is_the_last_source(s3, tmp_path):
     """World 2 as nodes A and B, replicas=1, remote=S3 (moto); steps 5 and 10 persisted
     and uploaded, 15 memory-only; node B is lost (sidecar, RAM, disk). latest_checkpoint(
-    remote=) takes step 15, complete in RAM, on both ranks, and it restores. Rank 0's replica of rank 1's step
+    remote=) takes step 15, complete in RAM, on both ranks, and it restores; when only
+    rank 0's remote listing has a newer step (20: a commit between the ranks' listings)
+    both ranks take it, where before rank 1 waited in a gather rank 0 never joined. Rank 0's replica of rank 1's step
     10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
     disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
     1's from the remote tier, CRC-checked, bit-exactly (from S3, and from a mounted
@@ -294,12 +300,13 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     Step 5's remote copy of rank 1's file is corrupted too: skipped, logged, and the
     restore fails on rank 1 without changing its model."""
     from snapsvc.distributed.replicas import held_by
+    from snapsvc.files.ramtier import drop
     d = str(tmp_path / "ckpt")
     try:
         codes, results = run_world(tmp_path, 2, scenario_remote_save, run_s=150,
                                    check_shm=False, remote=s3.url)
         assert codes == [-signal.SIGKILL] * 2, codes
-        assert results[0]["urls"] == [f"{s3.url}/step_5", f"{s3.url}/step_10"]
+        assert results[0]["urls"] == [f"{s3.url}/step_{n}" for n in (5, 10, 20)]
         assert not glob.glob(os.path.join(d, "step_*", "rank1.*"))
         replica = held_by(d, 10, 0, 2)[1]   # rank 0's RAM copy of rank 1's step 10
         with open(replica, "rb") as f:
@@ -307,6 +314,14 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
         with open(replica, "r+b") as f:
             f.write(bad)
         _drop_replicas(d, (5,), 2)
+        # step 20 is on the remote tier only in a mounted copy (so S3's newest is 10),
+        # and rank 1's file of it is in no RAM copy: not complete in RAM
+        for key in [k for k in s3.keys() if k.startswith("step_20/")]:
+            copy = tmp_path / "mounted20" / key
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(s3.read(key))
+            s3.client.delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")
+        drop(held_by(d, 20, 0, 2)[1])
         mounted = tmp_path / "mounted" / "step_10"   # the remote tier as a mounted directory
         mounted.mkdir(parents=True)
         for key in [k for k in s3.keys() if k.startswith("step_10/rank1.")]:
@@ -317,13 +332,15 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
                                    remote=s3.url)
         assert codes == [0, 0], codes
     finally:
-        _drop_replicas(d, (5, 10), 2)
+        _drop_replicas(d, (5, 10, 15, 20), 2)
     r0, r1 = results
     assert [r0["attached"], r1["attached"]] == [True, False]
     # latest_checkpoint(remote=): a step complete in RAM newer than the remote tier's
     # newest, the same on both ranks
     assert r0["latest"] == r1["latest"] == os.path.join(d, "step_15")
     assert r0["step15"] == r1["step15"] == "ok" and r0["same15"] and r1["same15"]
+    assert r0["latest_race"] == r1["latest_race"] == str(tmp_path / "mounted20" / "step_20")
+    assert "step 20 is not complete in RAM: no live copy of rank(s) [1]" in r0["log"]
     assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]
     assert r0["without_remote"] == "ok"
     assert "no good copy of rank 1's file" in r1["without_remote"]

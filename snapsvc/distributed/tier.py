@@ -68,17 +68,20 @@ def latest_checkpoint(directory: str | os.PathLike[str],
     ``timeout`` (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
     """
     best = _latest_local(directory)
+    far = None
     if remote is not None:
         if is_url(remote):
             far = _newest_remote(str(remote), None if best is None else best[0], timeout)
         else:
             far = _latest_local(remote)
-        if far is not None and (best is None or far[0] > best[0]):
-            best = far
-    # a newer step complete in RAM (own copies, peers' replicas): every rank agrees
-    ram = ram_latest(directory, None if best is None else best[0])
-    if ram is not None:
-        best = ram
+        if far is not None and best is not None and far[0] <= best[0]:
+            far = None   # the local tier has it
+    # a newer step complete in RAM (own copies, peers' replicas) or remotely: every rank
+    # agrees (the remote's newest as any rank listed it, when they gather)
+    agreed = ram_latest(directory, None if best is None else best[0], far=far)
+    if agreed is not None:
+        return agreed[1]
+    best = far or best
     return None if best is None else best[1]
 
 

@@ -107,11 +107,16 @@ def _group(process_group: Any) -> Iterator[Any]:
 
 
 def ram_latest(directory: str | os.PathLike[str], above: int | None,
-               process_group: Any = None) -> tuple[int, str] | None:
-    """The newest step above ``above`` complete in RAM (see the module docstring),
-    the same on every rank; None when there is none. A collective over the world
-    (every rank must call it) when the directory holds a step newer than
-    ``above`` that the disk alone does not complete."""
+               process_group: Any = None, far: tuple[int, str] | None = None
+               ) -> tuple[int, str] | None:
+    """The newest step above ``above`` (the disk's newest) complete in RAM (see the
+    module docstring), or the remote tier's newest step when newer: ``far`` is this
+    rank's listing's, and the newest any rank listed is taken, so that a step
+    committed remotely between two ranks' listings gives them one answer. The same
+    on every rank; None when there is neither. A collective over the world (every
+    rank must call it) when the directory holds a step newer than ``above`` that
+    the disk alone does not complete (the same on every rank: the directory is
+    shared); else None without one (the caller takes ``far`` itself)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         names = os.listdir(directory)
@@ -128,17 +133,22 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
     if not candidates or where is None:
         return None
     rank, world = where
-    mine = {m.step: sorted(_copies(m, rank, check=True)) for m in candidates}
+    mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates},
+            "far": None if far is None else list(far)}
     with _group(process_group) as group:
         tables = _all_gather_msg(mine, world, group)
+    fars = [(int(t["far"][0]), str(t["far"][1])) for t in tables if t["far"] is not None]
+    newest_far = max(fars) if fars else None
     for m in candidates:   # newest first: the same walk on every rank
-        have = {o for t in tables for o in t.get(m.step, ())}
+        if newest_far is not None and m.step <= newest_far[0]:
+            break
+        have = {o for t in tables for o in t["held"].get(m.step, ())}
         have |= {r for r in range(m.world_size) if _rank_on_disk(m, r)}
         if have >= set(range(m.world_size)):
             return m.step, m.path
         log.info("step %d is not complete in RAM: no live copy of rank(s) %s", m.step,
                  sorted(set(range(m.world_size)) - have))
-    return None
+    return newest_far
 
 
 @contextlib.contextmanager
