@@ -104,3 +104,55 @@ def test_two_writers_starting_at_once_adopt_a_dead_holders_copies_exactly_once(
         for p in procs:
             p.stdin.close()
             p.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_a_symlinked_owner_mark_is_removed_not_followed_and_the_writer_starts(
+        tmp_path, no_leaks):
+    """A ``.owner-*`` entry that is a symlink (to a file of the user's elsewhere) in the
+    directory's RAM folder: the writer's sidecar starts and holds a memory-only
+    snapshot; the link is removed, its target untouched (never opened, never locked)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own file")
+    folder = os.path.dirname(ramtier.ram_path(tmp_path / "x", create=True))
+    link = os.path.join(folder, ".owner-424242")
+    os.symlink(outside, link)
+    with snapsvc.SnapshotWriter(tmp_path) as w:
+        w.submit({"w": torch.arange(64.0), "step": 3}, "m3.fdl", persist=False).result(60)
+        target = {"w": torch.zeros(64), "step": 0}
+        assert snapsvc.restore(tmp_path / "m3.fdl", target).state["step"] == 3
+        assert torch.equal(target["w"], torch.arange(64.0))
+        assert not os.path.lexists(link)
+    assert outside.read_text() == "the user's own file"
+
+
+def test_symlinks_anywhere_in_the_ram_tier_are_removed_with_a_warning_never_followed(
+        tmp_path, template, dead_pid):
+    """Siblings, at adoption and sweep: a symlinked copy and metadata (to a whole
+    checkpoint elsewhere), a symlinked mark, and a symlinked folder in the user's
+    root: each removed with a warning naming it, never read nor adopted; the
+    targets stay as they were."""
+    ram = _dead_holders_copy(tmp_path, template, dead_pid)
+    folder = os.path.dirname(ram)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    links = {os.path.join(folder, "evil9.fdl"): template,
+             meta_path(os.path.join(folder, "evil9.fdl")): meta_path(str(template)),
+             os.path.join(folder, ".owner-1"): template,
+             os.path.join(ramtier.ram_root(), "0123456789abcdef"): other}
+    for link, target in links.items():
+        os.symlink(target, link)
+    before = template.read_bytes()
+    with pytest.warns(RuntimeWarning) as seen:
+        got = ramtier.adopt(tmp_path)
+    try:
+        assert [p for p, _ in got] == [str(tmp_path / "good5.fdl")]   # the real copy only
+        text = "\n".join(str(w.message) for w in seen)
+        for link in links:
+            assert f"{link} is a symlink" in text and not os.path.lexists(link)
+        assert template.read_bytes() == before and other.is_dir()
+    finally:
+        for _, copy in got:
+            ramtier.drop(copy)
+        ramtier.release_marks()
+    assert not os.path.exists(folder)
