@@ -8,8 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -156,3 +156,90 @@ def test_symlinks_anywhere_in_the_ram_tier_are_removed_with_a_warning_never_foll
             ramtier.drop(copy)
         ramtier.release_marks()
     assert not os.path.exists(folder)
+
+
+_LINGERING = ("import os, signal, sys, torch, snapsvc\n"
+              "w = snapsvc.SnapshotWriter(sys.argv[1], linger=60)\n"
+              "w.submit({'w': torch.arange(4096.0), 'step': 1}, 'm1.fdl',\n"
+              "         persist=False).result(30)\n"
+              "print(w.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_holders_copies_go_once_its_directory_is_gone(tmp_path, no_leaks):
+    """A trainer SIGKILLed, then its lingering sidecar SIGKILLed too (nothing could free
+    its RAM copy), then its directory deleted: the next writer of any directory sweeps
+    the dead holder's folder away, copy, marks and all."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with tempfile.TemporaryFile() as out:   # a file: the lingering sidecar inherits it
+        run = subprocess.run([sys.executable, "-c", _LINGERING, str(gone)], cwd=ROOT, env=ENV,
+                             stdout=out, stderr=subprocess.DEVNULL, timeout=60)
+        out.seek(0)
+        text = out.read().decode()
+    assert run.returncode == -signal.SIGKILL, text
+    sidecar = int(text.split()[-1])
+    folder = os.path.dirname(ramtier.held(gone / "m1.fdl"))
+    os.kill(sidecar, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{sidecar}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(gone)
+    assert os.listdir(folder)   # left behind: the copy and the dead sidecar's mark
+    other = tmp_path / "other"
+    with snapsvc.SnapshotWriter(other) as w:
+        w.submit({"w": torch.arange(8.0)}, "d1.fdl").result(60)   # its sidecar has started
+        assert not os.path.lexists(folder)
+
+
+_HOLDER = ("import sys\n"
+           "from snapsvc.files import ramtier\n"
+           "path = sys.argv[1] + '/a1.fdl'\n"
+           "ram = ramtier.ram_path(path, create=True)\n"
+           "ramtier.claim(ram, path)\n"
+           "open(ram, 'w').write('held')\n"
+           "print(ram, flush=True)\n"
+           "sys.stdin.read()\n")
+
+
+@pytest.mark.timeout(60)
+def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path, template, dead_pid):
+    """Siblings of the sweep: a live holder's folder stays though its directory is gone;
+    a dead holder's copies of a directory that exists stay for its next writer (its
+    dead marks go); a folder of dead marks only goes; an empty folder goes once old,
+    not while its maker may be about to write in it."""
+    live_dir, kept_dir, marks_dir = (tmp_path / n for n in ("live", "kept", "marks"))
+    for d in (live_dir, kept_dir, marks_dir):
+        d.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(live_dir)], cwd=ROOT, env=ENV,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        live = holder.stdout.readline().strip()
+        shutil.rmtree(live_dir)
+        kept = _dead_holders_copy(kept_dir, template, dead_pid)
+        ramtier.claim(kept, str(kept_dir / "good5.fdl"))   # its record, as a holder makes it
+        ramtier.release_marks()
+        open(os.path.join(os.path.dirname(kept), f".owner-{dead_pid}"), "w").close()
+        marks = os.path.dirname(_dead_holders_copy(marks_dir, template, dead_pid))
+        for name in os.listdir(marks):
+            if not name.startswith("."):
+                os.unlink(os.path.join(marks, name))
+        old = os.path.dirname(ramtier.ram_path(tmp_path / "old" / "x", create=True))
+        os.utime(old, (time.time() - 120,) * 2)
+        fresh = os.path.dirname(ramtier.ram_path(tmp_path / "fresh" / "x", create=True))
+        ramtier.sweep()
+        assert open(live).read() == "held"
+        assert sorted(os.listdir(os.path.dirname(kept))) == [
+            ".snapsvc-dir", "good5.fdl", "good5.fdl.meta"]
+        assert not os.path.exists(marks) and not os.path.exists(old) and os.path.isdir(fresh)
+        got = ramtier.adopt(kept_dir)   # the next writer of that directory takes them
+        assert got == [(str(kept_dir / "good5.fdl"), kept)]
+        ramtier.drop(kept)
+        ramtier.release_marks()
+        os.rmdir(fresh)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    ramtier.sweep()   # the holder has exited: its folder is a dead one's, directory gone
+    assert not os.path.exists(os.path.dirname(live))
