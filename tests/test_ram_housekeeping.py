@@ -243,3 +243,38 @@ def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path, template, d
         holder.wait(30)
     ramtier.sweep()   # the holder has exited: its folder is a dead one's, directory gone
     assert not os.path.exists(os.path.dirname(live))
+
+
+_RECEIVING = ("import os, sys\n"
+              "from snapsvc.distributed.replicas.keep import Keeper\n"
+              "from snapsvc.distributed.replicas.send import replica_file\n"
+              "from snapsvc.files import ramtier\n"
+              "k = Keeper(sys.argv[1], 1, 2, 2, None)\n"
+              "k.seen.add(10)\n"
+              "k.room(1 << 20)   # what the holder does before it receives step 10's replica\n"
+              "ram = ramtier.ram_path(replica_file(sys.argv[1], 10, 1, 'rank0.fdl'))\n"
+              "with open(f'{ram}.{os.getpid()}.tmp', 'wb') as f:   # recv_to_folder's temp\n"
+              "    f.write(bytes(1 << 20))\n"
+              "spare = os.path.join(k._spare_folder(create=True), f'spare{os.getpid()}-0')\n"
+              "with open(spare, 'wb') as f:   # a dropped replica's pages, kept\n"
+              "    f.write(bytes(1 << 20))\n"
+              "print(ram, spare, flush=True)\n"
+              "sys.stdin.read()\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_holder_killed_mid_receive_leaves_no_temp_or_spare_file(tmp_path):
+    """A rank holding replicas SIGKILLed while it receives one: its temp file and its
+    spare files go at the next start of any writer (the sweep), though the directory
+    stays; while it lives, the sweep leaves them alone."""
+    (tmp_path / "step_10").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _RECEIVING, str(tmp_path)], cwd=ROOT,
+                              env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ram, spare = holder.stdout.readline().split()
+    folders = [os.path.dirname(ram), os.path.dirname(spare)]
+    ramtier.sweep()
+    assert all(len([n for n in os.listdir(f) if not n.startswith(".")]) == 1 for f in folders)
+    holder.kill()
+    holder.wait(30)
+    ramtier.sweep()   # what the next sidecar's or service's start does
+    assert not any(os.path.lexists(f) for f in folders)

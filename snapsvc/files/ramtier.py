@@ -316,8 +316,9 @@ def sweep() -> None:
     each folder no live process marks (and no other process has locked), the dead
     processes' marks; then the folder with all in it when its record's directory is
     gone, or when nothing else is left in it (an empty one once it is
-    :data:`_EMPTY_AGE` old: its maker may be about to write). Copies of a directory
-    that still exists stay, for its next writer to adopt. Symlinks are removed with
+    :data:`_EMPTY_AGE` old: its maker may be about to write). Whole copies of a
+    directory that still exists stay, for its next writer to adopt; what is not
+    part of one (a temp file, a replica holder's spare, a copy cut mid-write) goes. Symlinks are removed with
     a warning, never followed. Run at each sidecar's and service's start."""
     root = ram_root()
     if not os.path.isdir(SHM) or not check_private(root, False):
@@ -360,6 +361,14 @@ def _sweep_one(folder: str) -> None:
         _remove(folder, rest + [_RECORD])
     elif not names and time.time() - os.lstat(folder).st_mtime > _EMPTY_AGE:
         _remove(folder, [])
+    elif home is not None:  # marked once: what is not part of a whole copy is a dead one's
+        whole = {os.path.basename(p) for n in complete(folder)
+                 for p in checkpoint_names(os.path.join(folder, n))}
+        loose = [n for n in rest if n not in whole]  # temps, spares, a copy cut mid-write
+        if loose:
+            log.info("snapsvc: removing %s from %s: left by dead processes mid-write",
+                     loose, folder)
+            _remove(folder, loose + ([_RECORD] if len(loose) == len(rest) else []))
 
 
 def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
