@@ -132,8 +132,12 @@ class Keeper:
         return (fit[-1] if fit else spares[0]) if spares and n >= _MIN_SPARE else None
 
     def clear_spares(self) -> None:
+        """Drop every spare; the folder and this process's mark go with the last."""
         for p in self.spares():
             drop(p)
+        folder = self._spare_folder()
+        if folder is not None and os.path.isdir(folder):
+            drop(os.path.join(folder, "none"))  # no spare left (all taken): tidied all the same
 
     def completed(self, step: int) -> None:
         """``step`` is complete in RAM (every rank calls this, for the same steps):
