@@ -50,8 +50,11 @@ def _dead_holders_copy(directory, template, pid, name="good5.fdl") -> str:
     return ram
 
 
-_ADOPTER = r"""
-import sys, time
+# the package registered, its __init__ (torch: seconds) never run, as the sidecar does
+_NO_TORCH = ("import sys, importlib.util as u; s = u.find_spec('snapsvc'); "
+             "sys.modules['snapsvc'] = u.module_from_spec(s)\n")
+_ADOPTER = _NO_TORCH + r"""
+import time
 from snapsvc.files import ramtier
 
 
@@ -193,7 +196,7 @@ def test_a_killed_holders_copies_go_once_its_directory_is_gone(tmp_path, no_leak
         assert not os.path.lexists(folder)
 
 
-_HOLDER = ("import sys\n"
+_HOLDER = (_NO_TORCH +
            "from snapsvc.files import ramtier\n"
            "path = sys.argv[1] + '/a1.fdl'\n"
            "ram = ramtier.ram_path(path, create=True)\n"
