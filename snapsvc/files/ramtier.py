@@ -20,7 +20,11 @@ that can be taken is a dead owner's. A sidecar killed before it could free its
 copies (a SIGKILLed ``snapsvc serve``, or a lingering sidecar, with no trainer
 attached) thus leaves a folder no live process marks: the next sidecar or
 service of that directory adopts it (:func:`adopt`), holding the whole copies
-that pass their checks as its own and removing the rest.
+that pass their checks as its own and removing the rest. Marks are made and
+looked at under a ``flock`` of the folder itself, so that of two processes
+starting at once exactly one adopts. Each start also sweeps the whole tree
+(:func:`sweep`): what dead holders left of directories that are gone, or that is
+no part of a whole copy. A symlink in the tree is removed, never followed.
 
 Reads (:func:`read_first`) try the RAM copy of a path first and fall back to
 the disk when there is none or it is bad (reported with a warning).
