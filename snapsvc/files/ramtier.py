@@ -20,7 +20,11 @@ that can be taken is a dead owner's. A sidecar killed before it could free its
 copies (a SIGKILLed ``snapsvc serve``, or a lingering sidecar, with no trainer
 attached) thus leaves a folder no live process marks: the next sidecar or
 service of that directory adopts it (:func:`adopt`), holding the whole copies
-that pass their checks as its own and removing the rest.
+that pass their checks as its own and removing the rest. Marks are made and
+looked at under a ``flock`` of the folder itself, so that of two processes
+starting at once exactly one adopts. Each start also sweeps the whole tree
+(:func:`sweep`): what dead holders left of directories that are gone, or that is
+no part of a whole copy. A symlink in the tree is removed, never followed.
 
 Reads (:func:`read_first`) try the RAM copy of a path first and fall back to
 the disk when there is none or it is bad (reported with a warning).
@@ -36,6 +40,7 @@ import logging
 import os
 import re
 import stat
+import time
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -45,7 +50,7 @@ from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
            "read_first", "drop", "size_of", "series", "ram_series", "complete", "number", "claim", "adopt",
-           "release_marks"]
+           "release_marks", "sweep"]
 
 log = logging.getLogger("snapsvc")
 
@@ -118,6 +123,8 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
 
 
 _OWNER = ".owner-"
+_RECORD = ".snapsvc-dir"   # the directory whose checkpoints a folder mirrors (for sweep)
+_EMPTY_AGE = 60.0   # seconds an empty folder is left to the process that just made it
 _marks: dict[str, tuple[int, int]] = {}  # folder -> (our pid, the locked fd of our mark)
 
 
@@ -127,37 +134,101 @@ def _ours(folder: str) -> int | None:
     return fd if pid == os.getpid() else None
 
 
-def claim(ram: str) -> None:
+def _lock(folder: str, create: bool, wait: bool = True) -> int | None:
+    """An fd of ``folder`` itself, ``flock``-ed: held around every mark's making and
+    every look at others' marks (:func:`claim`, :func:`adopt`, :func:`sweep`,
+    removal), so that two processes never both see the other's mark as live, nor
+    one removes a folder another is marking. None when the folder is missing (and
+    not ``create``d), or, without ``wait``, locked by another process."""
+    for _ in range(5):
+        try:
+            if not check_private(ram_root(), create) or not check_private(folder, create):
+                return None
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed meanwhile (under its lock, by another)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            if os.path.samestat(os.fstat(fd), os.lstat(folder)):
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+        if not wait:
+            return None
+    raise UnsafePathError(f"{folder} kept vanishing while it was locked; is something "
+                          f"removing {ram_root()}?")
+
+
+def _entries(folder: str) -> list[str]:
+    """The names in ``folder`` (locked by us), symlinks left out: each one is removed
+    with a warning naming it (the link itself: never followed). Nothing snapsvc
+    makes there is a link."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        entry = os.path.join(folder, name)
+        try:
+            if not stat.S_ISLNK(os.lstat(entry).st_mode):
+                out.append(name)
+                continue
+            os.unlink(entry)
+        except FileNotFoundError:
+            continue
+        warnings.warn(f"{entry} is a symlink in snapsvc's private RAM tier, where snapsvc "
+                      "makes none: removed, never followed", RuntimeWarning, stacklevel=3)
+    return out
+
+
+def _home(path: str) -> str:
+    """What a RAM folder's record names: the nearest existing folder above ``path``
+    (the checkpoint's directory, or for a memory-only ``step_<N>/`` the writer's)."""
+    here = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    return here
+
+
+def claim(ram: str, path: str | None = None) -> None:
     """Mark the folder of the RAM copy ``ram`` (made if missing) as this process's
     until it exits: before it writes there, or holds copies handed over. A live
-    mark keeps :func:`adopt` of another process out of the folder."""
+    mark keeps :func:`adopt` and :func:`sweep` of another process out of the folder.
+    ``path``: the checkpoint ``ram`` mirrors, recorded for :func:`sweep` (which
+    removes a dead holder's folder once its directory is gone)."""
     folder = os.path.dirname(ram)
     if _ours(folder) is not None:
         return
+    lock = _lock(folder, create=True)
+    assert lock is not None
+    try:
+        _mark(folder, path)
+    finally:
+        os.close(lock)
+
+
+def _mark(folder: str, path: str | None) -> None:
+    """:func:`claim`'s mark, ``folder`` locked by us."""
+    if _ours(folder) is not None:
+        return
     mark = os.path.join(folder, f"{_OWNER}{os.getpid()}")
-    for _ in range(5):
-        try:  # the folders, made again if another's _tidy removed them meanwhile
-            check_private(ram_root(), True)
-            check_private(folder, True)
-            fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:
-            continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:  # an adopter that found a dead process of our pid may have removed it first
-            same = os.path.samestat(os.fstat(fd), os.lstat(mark))
-        except FileNotFoundError:
-            same = False
-        if same:
-            _marks[folder] = (os.getpid(), fd)
-            return
-        os.close(fd)
-    raise UnsafePathError(f"{mark} kept vanishing while it was made; is something "
-                          f"removing {folder}?")
+    _entries(folder)  # a link under our mark's name is removed, not followed
+    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a dead process of our pid's: ours now
+    _marks[folder] = (os.getpid(), fd)
+    record = os.path.join(folder, _RECORD)
+    if path is not None and not os.path.lexists(record):
+        with open(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                          0o600), "w") as f:
+            f.write(_home(path))
 
 
 def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
-    """The marks in ``folder`` of dead processes, each locked by us now (so ours to
-    remove); None when one is a live process's. Our own mark is left out."""
+    """The marks in ``folder`` (locked by us) of dead processes, each locked by us
+    now (so ours to remove); None when one is a live process's. Our own mark is
+    left out."""
     dead: list[tuple[str, int]] = []
     mine = f"{_OWNER}{os.getpid()}" if _ours(folder) is not None else None
     for name in names:
@@ -165,7 +236,7 @@ def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
             continue
         try:
             fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:  # removed meanwhile by another adopter
+        except FileNotFoundError:  # its process removed it at exit
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -192,8 +263,18 @@ def release_marks() -> None:
     """At a sidecar's exit, once its copies are dropped: its marks go, and each
     folder too when nothing else is left in it."""
     for folder in [f for f in _marks if _ours(f) is not None]:
-        _unmark([(os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1])])
+        lock = _lock(folder, create=False)
+        try:
+            _unmark([(os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1])])
+        finally:
+            if lock is not None:
+                os.close(lock)
         _tidy(os.path.join(folder, "x"))
+
+
+def _bookkeeping(name: str) -> bool:
+    """A mark or the record: not a copy."""
+    return name.startswith(_OWNER) or name == _RECORD
 
 
 def _tidy(ram: str) -> None:
@@ -201,19 +282,32 @@ def _tidy(ram: str) -> None:
     our mark and dead processes' marks, so an exited sidecar leaves no /dev/shm
     entry (a folder still in use stays)."""
     folder = os.path.dirname(ram)
+    lock = _lock(folder, create=False)
+    if lock is None:
+        return
     try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        names = []
-    if any(not n.startswith(_OWNER) for n in names):
-        return  # copies: ours still, or another writer's
-    dead = _dead_marks(folder, names)
-    if dead is None:
-        return  # a live process marks it
-    fd = _ours(folder)
-    if fd is not None:
-        dead.append((os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1]))
-    _unmark(dead)
+        names = _entries(folder)
+        if any(not _bookkeeping(n) for n in names):
+            return  # copies: ours still, or another writer's
+        dead = _dead_marks(folder, names)
+        if dead is None:
+            return  # a live process marks it
+        if _ours(folder) is not None:
+            dead.append((os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1]))
+        _unmark(dead)
+        _remove(folder, [_RECORD])
+    finally:
+        os.close(lock)
+
+
+def _remove(folder: str, names: list[str]) -> None:
+    """Remove ``names`` from ``folder`` (locked by us), then the folder and the
+    root once empty."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except (FileNotFoundError, IsADirectoryError):
+            pass
     for empty in (folder, ram_root()):
         try:
             os.rmdir(empty)
@@ -221,23 +315,97 @@ def _tidy(ram: str) -> None:
             return
 
 
+def sweep() -> None:
+    """Remove what dead holders left in the user's RAM tier, for any directory: in
+    each folder no live process marks (and no other process has locked), the dead
+    processes' marks; then the folder with all in it when its record's directory is
+    gone, or when nothing else is left in it (an empty one once it is
+    :data:`_EMPTY_AGE` old: its maker may be about to write). Whole copies of a
+    directory that still exists stay, for its next writer to adopt; what is not
+    part of one (a temp file, a replica holder's spare, a copy cut mid-write) goes. Symlinks are removed with
+    a warning, never followed. Run at each sidecar's and service's start."""
+    root = ram_root()
+    if not os.path.isdir(SHM) or not check_private(root, False):
+        return
+    for name in _entries(root):
+        folder = os.path.join(root, name)
+        try:
+            lock = _lock(folder, create=False, wait=False)
+        except UnsafePathError as e:  # a file, or another user's: reported, left
+            warnings.warn(f"snapsvc's RAM tier: {e}", RuntimeWarning, stacklevel=2)
+            continue
+        if lock is None:
+            continue  # another process marks or adopts it now
+        try:
+            _sweep_one(folder)
+        finally:
+            os.close(lock)
+
+
+def _sweep_one(folder: str) -> None:
+    names = _entries(folder)
+    dead = _dead_marks(folder, names)
+    if dead is None:
+        return  # a live holder's
+    _unmark(dead)
+    if _ours(folder) is not None:
+        return
+    rest = [n for n in names if not _bookkeeping(n)]
+    if not rest and names:
+        _remove(folder, [_RECORD])
+        return
+    try:
+        with open(os.path.join(folder, _RECORD), encoding="utf-8", errors="replace") as f:
+            home: str | None = f.read()
+    except FileNotFoundError:
+        home = None
+    if home is not None and not os.path.isdir(home):
+        log.info("snapsvc: removing %s: RAM copies of dead processes whose directory %s "
+                 "is gone", folder, home)
+        _remove(folder, rest + [_RECORD])
+    elif not names and time.time() - os.lstat(folder).st_mtime > _EMPTY_AGE:
+        _remove(folder, [])
+    elif home is not None:  # marked once: what is not part of a whole copy is a dead one's
+        whole = {os.path.basename(p) for n in complete(folder)
+                 for p in checkpoint_names(os.path.join(folder, n))}
+        loose = [n for n in rest if n not in whole]  # temps, spares, a copy cut mid-write
+        if loose:
+            log.info("snapsvc: removing %s from %s: left by dead processes mid-write",
+                     loose, folder)
+            _remove(folder, loose + ([_RECORD] if len(loose) == len(rest) else []))
+
+
 def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
     """The RAM copies of ``directory``'s checkpoints that dead processes left
     (a sidecar or service SIGKILLed before it freed them), as (path, its RAM copy)
     pairs, now this process's (marked: :func:`claim`): only where no live process
-    marks the folder. Each must be whole (metadata, files, sizes and CRC-32s:
-    :func:`problem`); the others (a copy killed mid-write, a damaged one, a temp
-    file) are removed, a damaged one with a warning. Oldest first."""
+    marks the folder (the folder's lock makes this exact: of two processes
+    adopting at once, the first takes the copies, the second sees its live mark).
+    Each must be whole (metadata, files, sizes and CRC-32s: :func:`problem`); the
+    others (a copy killed mid-write, a damaged one, a temp file) are removed, a
+    damaged one with a warning. Oldest first. What dead holders left elsewhere is
+    swept first (:func:`sweep`)."""
     if directory is None or not os.path.isdir(SHM):
         return []
+    sweep()
     base = os.path.abspath(os.fspath(directory))
     folder = ram_folder(base)
     if folder is None:
         return []
-    claim(os.path.join(folder, "x"))  # first: a process marking it after us is live
-    names = os.listdir(folder)
+    lock = _lock(folder, create=False)
+    if lock is None:
+        return []
+    try:
+        return _adopt(folder, base)
+    finally:
+        os.close(lock)
+
+
+def _adopt(folder: str, base: str) -> list[tuple[str, str]]:
+    _mark(folder, os.path.join(base, "x"))  # first: a process marking it after us is live
+    names = _entries(folder)
     dead = _dead_marks(folder, names)
-    if dead is None or not dead and not any(not n.startswith(_OWNER) for n in names):
+    if dead is None or not dead and not any(not _bookkeeping(n) for n in names):
         return []  # a live owner holds it, or there is nothing to adopt
     whole = complete(folder)
     keep: list[tuple[str, str]] = []
@@ -251,7 +419,7 @@ def adopt(directory: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
         keep.append((os.path.join(base, name), ram))
         held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
     for name in names:
-        if not name.startswith(_OWNER) and name not in held_names:
+        if not _bookkeeping(name) and name not in held_names:
             try:
                 os.unlink(os.path.join(folder, name))
             except (FileNotFoundError, IsADirectoryError):

@@ -68,7 +68,7 @@ class Files:
         for path, ram in held:  # what a lingering sidecar handed over, or a dead one left
             if ram in self.origin or not os.path.exists(ram):  # adopted twice, or found bad
                 continue
-            claim(ram)
+            claim(ram, path)
             self.in_ram.setdefault(ram_series(path), []).append(ram)
             self.origin[ram] = path
             self.sizes[ram] = size_of(ram)
@@ -261,7 +261,7 @@ class Files:
                 dest = ram_path(path, create=True) if ram else path
                 assert dest is not None
                 if ram:
-                    claim(dest)  # before its first file there: see snapsvc.files.ramtier
+                    claim(dest, path)  # before its first file there: see snapsvc.files.ramtier
                 optim = (optim_path(dest), enc.optim) if meta.optimizer is not None else None
                 stats = write_with_meta(dest, enc.model, meta,
                                         compress_level=self.compress_level, optim=optim,

@@ -29,9 +29,9 @@ import logging
 import os
 
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import drop, held, ram_path, size_of
+from ...files.ramtier import claim, drop, held, ram_path, size_of
 from ..manifest import step_dir, step_number
-from .send import held_by
+from .send import held_by, replica_file
 
 __all__ = ["Keeper"]
 
@@ -85,16 +85,29 @@ class Keeper:
 
     # -- spares ------------------------------------------------------------------
     def _spare_folder(self, create: bool = False) -> str | None:
-        ram = ram_path(os.path.join(self.directory, ".replicas-spare",
-                                    f"held-by-{self.rank}", "x"), create=create)
+        path = os.path.join(self.directory, ".replicas-spare", f"held-by-{self.rank}", "x")
+        ram = ram_path(path, create=create)
+        if ram is not None and create:  # ours while we live; a killed holder's: swept
+            claim(ram, path)
         return None if ram is None else os.path.dirname(ram)
+
+    def _claim_replicas(self) -> None:
+        """Mark the RAM folder of the replica being received (of the newest step this
+        rank was told of) as this process's, before its first temp file: a holder
+        killed mid-receive then leaves a folder of a dead process, whose temp and
+        spare files the next start sweeps (:func:`snapsvc.files.ramtier.sweep`)."""
+        if self.seen:
+            path = replica_file(self.directory, max(self.seen), self.rank, "x")
+            ram = ram_path(path, create=True)
+            if ram is not None:
+                claim(ram, path)
 
     def spares(self) -> list[str]:
         """The spare files, largest first."""
         folder = self._spare_folder()
         if folder is None or not os.path.isdir(folder):
             return []
-        paths = [os.path.join(folder, n) for n in os.listdir(folder)]
+        paths = [os.path.join(folder, n) for n in os.listdir(folder) if not n.startswith(".")]
         return sorted(paths, key=lambda p: -os.path.getsize(p))
 
     def _recycle(self, ram: str) -> None:
@@ -119,8 +132,12 @@ class Keeper:
         return (fit[-1] if fit else spares[0]) if spares and n >= _MIN_SPARE else None
 
     def clear_spares(self) -> None:
+        """Drop every spare; the folder and this process's mark go with the last."""
         for p in self.spares():
             drop(p)
+        folder = self._spare_folder()
+        if folder is not None and os.path.isdir(folder):
+            drop(os.path.join(folder, "none"))  # no spare left (all taken): tidied all the same
 
     def completed(self, step: int) -> None:
         """``step`` is complete in RAM (every rank calls this, for the same steps):
@@ -139,7 +156,9 @@ class Keeper:
 
     def room(self, incoming: int) -> str | None:
         """Make room for ``incoming`` bytes of replica under ``memory_limit``: None,
-        or why it does not fit (after dropping what may go)."""
+        or why it does not fit (after dropping what may go). Called before each
+        receive: the replica's folder is marked ours first (:meth:`_claim_replicas`)."""
+        self._claim_replicas()
         if self.memory_limit is None:
             return None
         steps = self._steps()
