@@ -87,7 +87,10 @@ def _footprint(pid: int, directory) -> dict[str, int]:
     folder = os.path.dirname(ram) if ram is not None else None
     return {"rss": _rss(os.getpid()), "sidecar_rss": _rss(pid),
             "fds": len(os.listdir("/proc/self/fd")), "sidecar_fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "shm": len(_shm_entries()),
+            # this test's segments and its own RAM folder: other folders in the per-user
+            # root belong to tests running beside it (and a start's sweep removes them)
+            "shm": len({e for e in _shm_entries() if not e.startswith(f"snapsvc-{os.getuid()}/")})
+            + (folder is not None and os.path.isdir(folder)),
             "ram_files": len(os.listdir(folder)) if folder else 0,
             "ram_bytes": sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
             if folder else 0,
