@@ -1,10 +1,12 @@
 """Two-rank Lightning DDP on CPU: ``@rank_zero_only`` loads of the best checkpoint, at train end and after fit.
 
-    python lightning_ddp_rank0_script.py IO DIR      (IO: snapsvc or default)
+    python lightning_ddp_rank0_script.py DIR IO [IO ...]     (IO: snapsvc or default)
 
-With IO=snapsvc each write is held 1 s in rank 0's sidecar, so the load finds it pending.
-Rank 0 writes ``rank0.json`` and ``after_fit.json`` in DIR: the weight sums of the model and of
-the checkpoint it loaded.
+Each IO runs in turn in the same two processes (a later Trainer reuses the launched ranks and
+their process group), so the stock control and the plugin cost one launch. With IO=snapsvc
+each write is held 1 s in rank 0's sidecar, so the load finds it pending. Rank 0 writes
+``rank0.json`` and ``after_fit.json`` in DIR/IO: the weight sums of the model and of the
+checkpoint it loaded.
 """
 
 from __future__ import annotations
@@ -69,4 +71,5 @@ def after_fit(trainer: pl.Trainer, model: pl.LightningModule, directory: str) ->
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for io in sys.argv[2:]:
+        main(io, os.path.join(sys.argv[1], io))

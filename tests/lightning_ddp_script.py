@@ -1,10 +1,12 @@
 """Two-rank Lightning DDP on CPU: fit, trainer.save_checkpoint(p), trainer.validate(ckpt_path=p).
 
-    python lightning_ddp_script.py IO DIR      (IO: snapsvc or default)
+    python lightning_ddp_script.py DIR IO [IO ...]     (IO: snapsvc or default)
 
-Lightning's launcher re-runs this script for rank 1. With IO=snapsvc the write of
-``p`` is held 2 s in rank 0's sidecar, so a rank that reads before it lands fails.
-Each rank writes ``rank<N>.json`` in DIR: the sums of the weights it saved and validated.
+Lightning's launcher re-runs this script for rank 1. Each IO runs in turn in the same two
+processes (a later Trainer reuses the launched ranks and their process group), so the stock
+control and the plugin cost one launch. With IO=snapsvc the write of ``p`` is held 2 s in
+rank 0's sidecar, so a rank that reads before it lands fails. Each rank writes
+``DIR/IO/rank<N>.json``: the sums of the weights it saved and validated.
 """
 
 from __future__ import annotations
@@ -46,4 +48,5 @@ def main(io: str, directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for io in sys.argv[2:]:
+        main(io, os.path.join(sys.argv[1], io))

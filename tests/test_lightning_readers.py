@@ -32,21 +32,23 @@ from test_lightning_stock import HERE, Lit, data, trainer  # noqa: E402
 def test_a_rank_zero_only_load_under_ddp_returns_the_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
                                                         os.environ.get("PYTHONPATH", "")])}
-    for io in ("default", "snapsvc"):
-        d = tmp_path / io
-        d.mkdir()
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "lightning_ddp_rank0_script.py"),
-                                 io, str(d)], cwd=d, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too: a hang in a collective
-            out, _ = proc.communicate()
-            pytest.fail(f"{io}: hung\n{out[-3000:]}")
-        assert proc.returncode == 0, f"{io}: {out[-5000:]}"
+    ios = ("default", "snapsvc")   # the stock control, then the plugin, in one DDP launch
+    for io in ios:
+        (tmp_path / io).mkdir()
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "lightning_ddp_rank0_script.py"),
+                             str(tmp_path), *ios], cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too: a hang in a collective
+        out, _ = proc.communicate()
+        done = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*.json"))
+        pytest.fail(f"hung (results written: {done})\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    for io in ios:
         for name in ("rank0.json", "after_fit.json"):
-            got = json.loads((d / name).read_text())
+            got = json.loads((tmp_path / io / name).read_text())
             assert got["loaded"] == got["model"] != 0, (io, name)
 
 

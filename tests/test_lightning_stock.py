@@ -307,14 +307,15 @@ def test_load_from_checkpoint_on_a_plugin_checkpoint_as_with_stock(tmp_path, no_
 def test_ddp_validate_right_after_save_checkpoint_as_with_stock(tmp_path):
     """2 ranks: trainer.save_checkpoint(p) then trainer.validate(ckpt_path=p). Every rank validates the
     weights rank 0 saved, although the plugin's write is held 2 s in the sidecar."""
-    for io in ("default", "snapsvc"):
-        d = tmp_path / io
-        d.mkdir()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "lightning_ddp_script.py"), io, str(d)],
-                              capture_output=True, text=True, timeout=280, cwd=d, env=env)
-        assert proc.returncode == 0, f"{io}: " + proc.stderr[-5000:]
-        ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ios = ("default", "snapsvc")   # the stock control, then the plugin, in one DDP launch
+    for io in ios:
+        (tmp_path / io).mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "lightning_ddp_script.py"), str(tmp_path),
+                           *ios], capture_output=True, text=True, timeout=560, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for io in ios:
+        ranks = [json.loads((tmp_path / io / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert ranks[0]["saved"] == ranks[1]["saved"] != 0
         assert [r["validated"] for r in ranks] == [r["saved"] for r in ranks], io
