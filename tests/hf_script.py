@@ -3,10 +3,9 @@
 ``python tests/hf_script.py KIND OUT RESULT [KIND OUT RESULT ...]`` resumes
 each run in ``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND
 ``stock``) or ``SnapsvcTrainer`` (``snapsvc``), trains to 8 steps and saves
-the final weights to RESULT (safetensors). ``torchrun --nproc_per_node 2
-tests/hf_script.py --dist OUT RESULT``: see :func:`dist_main`, then
-:func:`dist_second_train`. ``python
-tests/hf_script.py --raise-at STEP OUT HOLD``: see :func:`raise_main`.
+the final weights to RESULT (safetensors). ``python tests/hf_script.py
+--raise-at STEP OUT HOLD``: see :func:`raise_main`. :func:`dist_main` and
+:func:`dist_second_train` run under torchrun in tests/test_hf_fsdp.py's launch.
 """
 
 from __future__ import annotations
@@ -182,10 +181,6 @@ def end_world() -> None:
 def main() -> None:
     from safetensors.torch import save_file
     args = sys.argv[1:]
-    if args[0] == "--dist":   # both runs in one launch: torchrun's start is most of the cost
-        dist_main(*args[1:])
-        dist_second_train(*args[1:])
-        return end_world()
     if args[0] == "--raise-at":
         return raise_main(*args[1:])
     for kind, out, result in zip(args[::3], args[1::3], args[2::3]):

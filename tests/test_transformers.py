@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -216,63 +214,6 @@ def test_a_save_that_waits_for_the_sidecar_says_why(tmp_path, no_leaks, caplog):
     waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert len(waited) == 1 and "checkpoint-2" in waited[0], waited
     assert "free slot" in waited[0] and "'slots'" in waited[0] and "save_steps" in waited[0]
-
-
-@pytest.fixture(scope="module")
-def torchrun_world(tmp_path_factory) -> tuple[Path, str, subprocess.CompletedProcess]:
-    """One torchrun launch (2 CPU ranks, gloo) for both tests below: hf_script's
-    ``dist_main`` (OUT/full, OUT/cut) then ``dist_second_train`` (OUT/stock, OUT/snapsvc).
-    (OUT, the RESULT path, the finished process)."""
-    out = tmp_path_factory.mktemp("torchrun")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    result = str(out / "final.safetensors")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(HERE, "hf_script.py"), "--dist", str(out), result],
-        env=env, capture_output=True, text=True, timeout=280)
-    return out, result, proc
-
-
-@pytest.mark.timeout(300)
-def test_distributed_world_size_2_on_gloo(torchrun_world, capsys):
-    """torchrun, 2 CPU processes: each rank writes its file through its own sidecar, the
-    directory appears once the manifest commits both; a mid-epoch resume is bit-exact."""
-    from safetensors.torch import load_file
-    tmp_path, result, proc = torchrun_world
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    full, cut, resumed = (load_file(result + s) for s in (".full", ".cut", ""))
-    assert not torch.equal(cut["classifier.weight"], full["classifier.weight"])
-    for name, tensor in full.items():
-        assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
-    out = tmp_path / "cut"
-    assert {"checkpoint-3", "checkpoint-6"} <= set(_checkpoints(str(out)))
-    assert {"manifest.msgpack", "rank0.fdl", "rank1.fdl", "trainer_state.json"} <= set(
-        os.listdir(out / "checkpoint-3"))
-    assert not os.listdir(out / (STAGING_PREFIX + "ranks"))   # no step left uncommitted
-    assert "rng" in snapsvc.load(str(out / "checkpoint-3" / "rank1.fdl"))
-    # snapsvc ls: each checkpoint-<N> once, with its step (Hardening 3, 20)
-    from snapsvc.cli import main
-    capsys.readouterr()
-    assert main(["ls", str(out), "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)["checkpoints"]
-    steps = sorted((int(n.split("-")[1]) for n in _checkpoints(str(out))), reverse=True)
-    assert [(c["name"], c["step"]) for c in listed] == [(f"checkpoint-{n}", n) for n in steps]
-
-
-@pytest.mark.slow   # 2 processes, 4 train() runs; the writer's rule is also in test_dist_cli
-@pytest.mark.timeout(300)
-def test_torchrun_second_train_resuming_an_earlier_checkpoint(torchrun_world):
-    """Issue 21: the second train() re-saves checkpoint-6 as the stock Trainer does, instead
-    of failing on every rank with "step 6 after step 6: steps must increase"."""
-    from safetensors.torch import load_file
-    tmp_path, result, proc = torchrun_world
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    stock, ours = load_file(result + ".stock"), load_file(result + ".snapsvc")
-    for name, tensor in stock.items():
-        assert torch.equal(ours[name], tensor), name
-    for kind in KINDS:
-        assert {"checkpoint-3", "checkpoint-6"} <= set(os.listdir(tmp_path / kind))
 
 
 @pytest.mark.timeout(60)
