@@ -27,9 +27,11 @@ def net() -> Net:
 
 
 # -- leak checks for tests that spawn the sidecar -------------------------------
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
 import os  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 
 # What torch's shared memory and snapsvc could leave. Other processes on the
@@ -109,18 +111,26 @@ def _ram_folders_under(top: str) -> set[str]:
             for d, _, _ in os.walk(top)}
 
 
-@pytest.fixture
-def no_leaks(_warm_sidecar, tmp_path):
-    """Fail the test if it leaves /dev/shm entries (:func:`shm_leaked`) or open fds behind."""
+@contextlib.contextmanager
+def leak_checked(top: str) -> Iterator[None]:
+    """Fail if the block leaves /dev/shm entries (:func:`shm_leaked`, ``top`` the block's
+    directory) or open fds behind: :func:`no_leaks` for a test, and for a module fixture's work."""
     gc.collect()
     shm, fds = _shm_entries(), _open_fds()
     yield
     gc.collect()
-    leaked_shm = shm_leaked(shm, str(tmp_path))
+    leaked_shm = shm_leaked(shm, top)
     leaked_fds = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in _open_fds() - fds
                   if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not leaked_shm, f"/dev/shm entries leaked: {sorted(leaked_shm)}"
     assert not leaked_fds, f"file descriptors leaked: {leaked_fds}"
+
+
+@pytest.fixture
+def no_leaks(_warm_sidecar, tmp_path):
+    """Fail the test if it leaves /dev/shm entries (:func:`shm_leaked`) or open fds behind."""
+    with leak_checked(str(tmp_path)):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,11 @@
 """A trainer that forks while its writer runs; prints one JSON line of what happened.
 
-``python fork_script.py MODE PENDING DIR``: MODE ``fork`` (a raw ``os.fork()``
-whose child tries a submit, then exits normally: through the ``with`` block
-and the interpreter's exit handlers) or ``dataloader`` (a
-``DataLoader(num_workers=2)`` started after the writer, run to the end);
-PENDING ``pending`` keeps a write in flight at the fork.
+``python fork_script.py MODE PENDING DIR [MODE PENDING DIR ...]``: MODE ``fork`` (a raw
+``os.fork()`` whose child tries a submit, then exits normally: through the ``with`` block
+and the interpreter's exit handlers) or ``dataloader`` (a ``DataLoader(num_workers=2)``
+started after the writer, run to the end); PENDING ``pending`` keeps a write in flight at
+the fork. Each further group of three is another run, in turn, in the same process, with
+a writer of its own; each prints its line.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def main(mode: str, pending: bool, directory: str) -> None:
             result["after_ok"] = repr(e)
         result["same_sidecar"] = w.pid == pid
         result["restarts"] = w.stats()["restarts"]
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "pending", sys.argv[3])
+    for i in range(1, len(sys.argv), 3):
+        main(sys.argv[i], sys.argv[i + 1] == "pending", sys.argv[i + 2])

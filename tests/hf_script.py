@@ -3,9 +3,9 @@
 ``python tests/hf_script.py KIND OUT RESULT [KIND OUT RESULT ...]`` resumes
 each run in ``OUT`` from its last checkpoint with the stock ``Trainer`` (KIND
 ``stock``) or ``SnapsvcTrainer`` (``snapsvc``), trains to 8 steps and saves
-the final weights to RESULT (safetensors). ``torchrun --nproc_per_node 2
-tests/hf_script.py --dist OUT RESULT``: see :func:`dist_main`. ``python
-tests/hf_script.py --raise-at STEP OUT HOLD``: see :func:`raise_main`.
+the final weights to RESULT (safetensors). ``python tests/hf_script.py
+--raise-at STEP OUT HOLD``: see :func:`raise_main`. :func:`dist_main` and
+:func:`dist_second_train` run under torchrun in tests/test_hf_fsdp.py's launch.
 """
 
 from __future__ import annotations
@@ -140,6 +140,21 @@ def dist_main(out: str, result: str) -> None:
         save_file(weights(resumed.model), result)
 
 
+def dist_second_train(out: str, result: str) -> None:
+    """Under torchrun (2 ranks, gloo): train to 6 (checkpoints 3, 6), then, in the same
+    process and trainer, train(resume_from_checkpoint=checkpoint-3) to 6 again; stock,
+    then SnapsvcTrainer. Rank 0 saves each final model as RESULT.<kind>."""
+    from safetensors.torch import save_file
+    for kind in KINDS:
+        run = os.path.join(out, kind)
+        t = make_trainer(kind, run, max_steps=6, ddp_backend="gloo")
+        t.train()
+        t.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
+        close(t)
+        if t.args.process_index == 0:
+            save_file(weights(t.model), f"{result}.{kind}")
+
+
 def raise_main(step: str, out: str, hold: str) -> None:
     """SnapsvcTrainer saving at steps 3 and 6 (each write held 1 s while the file
     ``hold`` exists), then a RuntimeError at step ``step`` that ends the interpreter."""
@@ -166,9 +181,6 @@ def end_world() -> None:
 def main() -> None:
     from safetensors.torch import save_file
     args = sys.argv[1:]
-    if args[0] == "--dist":
-        dist_main(*args[1:])
-        return end_world()
     if args[0] == "--raise-at":
         return raise_main(*args[1:])
     for kind, out, result in zip(args[::3], args[1::3], args[2::3]):

@@ -1,10 +1,8 @@
 """Two-rank Lightning DDP on CPU: ``@rank_zero_only`` loads of the best checkpoint, at train end and after fit.
 
-    python lightning_ddp_rank0_script.py IO DIR      (IO: snapsvc or default)
-
-With IO=snapsvc each write is held 1 s in rank 0's sidecar, so the load finds it pending.
-Rank 0 writes ``rank0.json`` and ``after_fit.json`` in DIR: the weight sums of the model and of
-the checkpoint it loaded.
+:func:`main` runs in lightning_ddp_script.py's launch. With IO=snapsvc each write is held
+1 s in rank 0's sidecar, so the load finds it pending. Rank 0 writes ``rank0.json`` and
+``after_fit.json`` in DIRECTORY: the weight sums of the model and of the checkpoint it loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import time
 
 import torch
@@ -67,6 +64,3 @@ def after_fit(trainer: pl.Trainer, model: pl.LightningModule, directory: str) ->
         json.dump({"model": float(model.net.weight.sum()),
                    "loaded": float(state["state_dict"]["net.weight"].sum())}, f)
 
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

@@ -1,10 +1,14 @@
-"""Two-rank Lightning DDP on CPU: fit, trainer.save_checkpoint(p), trainer.validate(ckpt_path=p).
+"""Two-rank Lightning DDP on CPU, each IO in turn in one launch (a later Trainer reuses the
+launched ranks and their process group), so the stock control and the plugin, and both
+scenarios, cost one launch:
 
-    python lightning_ddp_script.py IO DIR      (IO: snapsvc or default)
+    python lightning_ddp_script.py DIR IO [IO ...]     (IO: snapsvc or default)
 
-Lightning's launcher re-runs this script for rank 1. With IO=snapsvc the write of
-``p`` is held 2 s in rank 0's sidecar, so a rank that reads before it lands fails.
-Each rank writes ``rank<N>.json`` in DIR: the sums of the weights it saved and validated.
+First, for each IO, fit, trainer.save_checkpoint(p), trainer.validate(ckpt_path=p): with
+IO=snapsvc the write of ``p`` is held 2 s in rank 0's sidecar, so a rank that reads before
+it lands fails. Each rank writes ``DIR/validate/IO/rank<N>.json``: the sums of the weights
+it saved and validated. Then, for each IO, lightning_ddp_rank0_script's run in
+``DIR/rank0/IO``. Lightning's launcher re-runs this script for rank 1.
 """
 
 from __future__ import annotations
@@ -46,4 +50,9 @@ def main(io: str, directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    import lightning_ddp_rank0_script
+    top, ios = sys.argv[1], sys.argv[2:]
+    for io in ios:
+        main(io, os.path.join(top, "validate", io))
+    for io in ios:
+        lightning_ddp_rank0_script.main(io, os.path.join(top, "rank0", io))

@@ -2,11 +2,12 @@
 
 Importable (``fit``), and runnable in a fresh process to resume:
 
-    python lightning_script.py FLAVOUR IO DIRPATH MAX_EPOCHS CKPT_PATH OUT
+    python lightning_script.py FLAVOUR IO DIRPATH MAX_EPOCHS CKPT_PATH OUT [FLAVOUR IO ...]
 
 FLAVOUR is ``pytorch_lightning`` or ``lightning.pytorch``; IO is ``snapsvc``
 or ``default``. Writes the final model state to OUT (torch.save) and prints
-one JSON line: the global step and how many batches this process trained.
+one JSON line: the global step and how many batches this call trained. Each
+further group of six arguments is another run, in turn, in the same process.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def fit(flavour: str, io: str, dirpath: str, max_epochs: int, ckpt_path: str | N
 
 
 if __name__ == "__main__":
-    flavour, io, dirpath, epochs, ckpt_path, out = sys.argv[1:]
-    trainer, model, batches = fit(flavour, io, dirpath, int(epochs), ckpt_path or None)
-    torch.save(model.state_dict(), out)
-    print(json.dumps({"global_step": trainer.global_step, "batches": batches}))
+    for i in range(1, len(sys.argv), 6):
+        flavour, io, dirpath, epochs, ckpt_path, out = sys.argv[i:i + 6]
+        trainer, model, batches = fit(flavour, io, dirpath, int(epochs), ckpt_path or None)
+        torch.save(model.state_dict(), out)
+        print(json.dumps({"global_step": trainer.global_step, "batches": batches}), flush=True)

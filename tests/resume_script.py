@@ -1,12 +1,14 @@
 """A small training run that can stop and resume, for tests/test_resume.py.
 
-    python tests/resume_script.py MODE OPTIMIZER DIRECTORY
+    python tests/resume_script.py MODE[,MODE...] OPTIMIZER DIRECTORY [OPTIMIZER DIRECTORY ...]
 
 MODE ``full`` trains 20 steps; ``first`` trains 10 and checkpoints through the
 sidecar (model, optimizer, extra: step and both RNG states); ``resume`` starts
 from a differently initialised model, restores that checkpoint and trains
-steps 11-20. Each prints one JSON line: the losses (float.hex, so the
-comparison is bit-exact) and writes its final state to DIRECTORY/MODE.fdl.
+steps 11-20. Each run starts from its own seeds, so several (``full,first``: the
+control and the run to resume, for each optimizer) share one process. Each prints
+one JSON line: its mode, optimizer and losses (float.hex, so the comparison is
+bit-exact) and writes its final state to DIRECTORY/MODE.fdl.
 """
 
 from __future__ import annotations
@@ -43,9 +45,8 @@ def train(model, opt, gen, steps) -> list[str]:
     return losses
 
 
-def main() -> None:
-    mode, optimizer, directory = sys.argv[1:4]
-    torch.set_num_threads(1)
+def run(mode: str, optimizer: str, directory: str) -> list[str]:
+    """One MODE run in DIRECTORY: its losses."""
     gen = torch.Generator().manual_seed(123)
     ckpt = os.path.join(directory, "step10.fdl")
     if mode == "resume":
@@ -63,7 +64,16 @@ def main() -> None:
                          "rng": bytes(torch.get_rng_state().tolist())}
                 w.submit(model, ckpt, optimizer=opt, extra=extra, epoch=1).result(timeout=60)
     snapsvc.save_checkpoint(os.path.join(directory, f"{mode}.fdl"), model)
-    print(json.dumps({"losses": losses}), flush=True)
+    return losses
+
+
+def main() -> None:
+    modes, rest = sys.argv[1].split(","), sys.argv[2:]
+    torch.set_num_threads(1)
+    for optimizer, directory in zip(rest[::2], rest[1::2]):
+        for mode in modes:
+            losses = run(mode, optimizer, directory)
+            print(json.dumps({"mode": mode, "optimizer": optimizer, "losses": losses}), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,19 +25,30 @@ import hooks
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_script(mode: str, pending: str, directory) -> dict:
+SCENARIOS = [(mode, pending) for mode in ("fork", "dataloader") for pending in ("idle", "pending")]
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict[tuple[str, str], tuple]:
+    """fork_script.py's four scenarios, each with its own writer and directory, in one
+    process (its start, torch's import, is most of each one's cost):
+    {(mode, pending): (directory, what it printed)}."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "fork_script.py"), mode, pending,
-                           str(directory)], capture_output=True, text=True, timeout=150, env=env)
+    dirs = {s: tmp_path_factory.mktemp("-".join(s)) for s in SCENARIOS}
+    argv = [str(a) for s in SCENARIOS for a in (*s, dirs[s])]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "fork_script.py"), *argv],
+                          capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(lines) == len(SCENARIOS), proc.stdout[-3000:]
+    return {s: (dirs[s], got) for s, got in zip(SCENARIOS, lines)}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("pending", ["idle", "pending"])
-def test_a_forked_child_never_acts_on_the_parents_writer(tmp_path, pending):
-    got = run_script("fork", pending, tmp_path)
+def test_a_forked_child_never_acts_on_the_parents_writer(scenarios, pending):
+    tmp_path, got = scenarios["fork", pending]
     assert got["child_code"] == 0 and got["child_s"] < 10, got  # no drain of the parent's writes
     assert got["error"] is not None and got["error"]["snapsvc"], got  # a submit is refused
     assert "fork" in got["error"]["message"], got
@@ -48,14 +59,13 @@ def test_a_forked_child_never_acts_on_the_parents_writer(tmp_path, pending):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("pending", ["idle", "pending"])
-def test_dataloader_workers_started_after_the_writer_leave_it_alone(tmp_path, pending):
-    got = run_script("dataloader", pending, tmp_path)
+def test_dataloader_workers_started_after_the_writer_leave_it_alone(scenarios, pending):
+    _, got = scenarios["dataloader", pending]
     assert got["batches"] == 8, got
     assert got.get("pending_ok", True) is True and got["after_ok"] is True, got
     assert got["same_sidecar"] and got["restarts"] == 0, got
 
 
-# -- done-callbacks ----------------------------------------------------------------
 def raise_(exc: type[BaseException], handle: snapsvc.WriteHandle) -> None:
     raise exc()
 

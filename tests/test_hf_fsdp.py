@@ -1,5 +1,7 @@
-"""SnapsvcTrainer under accelerate's FSDP2 (issue 23): the whole state through
-DistributedSnapshotWriter, and a resume bit-exact at the same world size.
+"""SnapsvcTrainer under torchrun: accelerate's FSDP2 (issue 23), the whole state through
+DistributedSnapshotWriter, and a resume bit-exact at the same world size; and DDP
+(tests/hf_script.py's ``dist_main`` and ``dist_second_train``). All run in one torchrun
+launch (:func:`torchrun_world`): its start is most of each run's cost.
 
 accelerate 1.15 turns FSDP on only for GPUs and other accelerators: on CPU
 (``DistributedType.MULTI_CPU``, gloo) ``AcceleratorState`` drops the FSDP
@@ -17,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ pytest.importorskip("accelerate")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import hf_script  # noqa: E402
 from hf_script import KINDS, StopAt, end_world, make_args, weights  # noqa: E402
 
 # FULL_STATE_DICT (the default) gathers the model for safetensors, which fails on CPU
@@ -170,22 +174,41 @@ def dist_fsdp(out: str, result: str) -> None:
             json.dump(seen, f)
 
 
+def run_all(out: str) -> None:
+    """Under torchrun: the DDP runs in OUT/ddp (results OUT/ddp.safetensors*), then the
+    FSDP2 runs in OUT/fsdp (results OUT/fsdp-final*). The DDP runs go first: FSDP2 needs
+    :func:`lift_cpu_gate`, and each TrainingArguments resets accelerate's state."""
+    ddp = os.path.join(out, "ddp")
+    hf_script.dist_main(ddp, ddp + ".safetensors")
+    hf_script.dist_second_train(ddp, ddp + ".safetensors")
+    dist_fsdp(os.path.join(out, "fsdp"), os.path.join(out, "fsdp-final"))
+
+
+@pytest.fixture(scope="module")
+def torchrun_world(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One torchrun launch (2 CPU ranks, gloo) of :func:`run_all` for every test here:
+    (OUT, the finished process)."""
+    out = tmp_path_factory.mktemp("torchrun")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.abspath(__file__), str(out)],
+        env=env, capture_output=True, text=True, timeout=280)
+    return out, proc
+
+
 @pytest.mark.timeout(300)
-def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(tmp_path):
+def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(torchrun_world):
     """Under FSDP2 SnapsvcTrainer writes every rank's shards through
     DistributedSnapshotWriter (no fallback, no warning), with the stock Trainer's
     rotation and on_save view; a resume at the same world size gives the uninterrupted
     stock run's parameters, Adam moments and learning rates bit for bit, as the stock
     Trainer's own resume does."""
     from safetensors.torch import load_file
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    result = str(tmp_path / "final")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.abspath(__file__), str(tmp_path), result],
-        env=env, capture_output=True, text=True, timeout=280)
+    out, proc = torchrun_world
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = str(out / "fsdp-final")
     with open(result + ".json") as f:
         seen = json.load(f)
     assert seen["fsdp"] == [True, "DTensor"]   # the Trainer really ran FSDP2
@@ -208,6 +231,53 @@ def test_fsdp2_trainer_saves_the_whole_state_and_resumes_bit_exact(tmp_path):
             assert torch.equal(resumed[name], tensor), (kind, name)
 
 
+@pytest.mark.timeout(300)
+def test_distributed_world_size_2_on_gloo(torchrun_world, capsys):
+    """torchrun, 2 CPU processes: each rank writes its file through its own sidecar, the
+    directory appears once the manifest commits both; a mid-epoch resume is bit-exact."""
+    from safetensors.torch import load_file
+    from test_transformers import _checkpoints
+
+    import snapsvc
+    from snapsvc.transformers import STAGING_PREFIX
+    out, proc = torchrun_world
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    tmp_path, result = out / "ddp", str(out / "ddp.safetensors")
+    full, cut, resumed = (load_file(result + s) for s in (".full", ".cut", ""))
+    assert not torch.equal(cut["classifier.weight"], full["classifier.weight"])
+    for name, tensor in full.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
+    out = tmp_path / "cut"
+    assert {"checkpoint-3", "checkpoint-6"} <= set(_checkpoints(str(out)))
+    assert {"manifest.msgpack", "rank0.fdl", "rank1.fdl", "trainer_state.json"} <= set(
+        os.listdir(out / "checkpoint-3"))
+    assert not os.listdir(out / (STAGING_PREFIX + "ranks"))   # no step left uncommitted
+    assert "rng" in snapsvc.load(str(out / "checkpoint-3" / "rank1.fdl"))
+    # snapsvc ls: each checkpoint-<N> once, with its step (Hardening 3, 20)
+    from snapsvc.cli import main
+    capsys.readouterr()
+    assert main(["ls", str(out), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    steps = sorted((int(n.split("-")[1]) for n in _checkpoints(str(out))), reverse=True)
+    assert [(c["name"], c["step"]) for c in listed] == [(f"checkpoint-{n}", n) for n in steps]
+
+
+@pytest.mark.slow   # 2 processes, 4 train() runs; the writer's rule is also in test_dist_cli
+@pytest.mark.timeout(300)
+def test_torchrun_second_train_resuming_an_earlier_checkpoint(torchrun_world):
+    """Issue 21: the second train() re-saves checkpoint-6 as the stock Trainer does, instead
+    of failing on every rank with "step 6 after step 6: steps must increase"."""
+    from safetensors.torch import load_file
+    out, proc = torchrun_world
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    tmp_path, result = out / "ddp", str(out / "ddp.safetensors")
+    stock, ours = load_file(result + ".stock"), load_file(result + ".snapsvc")
+    for name, tensor in stock.items():
+        assert torch.equal(ours[name], tensor), name
+    for kind in KINDS:
+        assert {"checkpoint-3", "checkpoint-6"} <= set(os.listdir(tmp_path / kind))
+
+
 if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
-    dist_fsdp(*sys.argv[1:3])
+    run_all(sys.argv[1])
     end_world()

@@ -114,47 +114,6 @@ def test_sequential_lr_resumed_mid_warmup_matches_the_stock_trainer(tmp_path, no
         assert torch.equal(result["snapsvc"][1][name], tensor), name
 
 
-def dist_second_train(out: str, result: str) -> None:
-    """Under torchrun (2 ranks, gloo): train to 6 (checkpoints 3, 6), then, in the same
-    process and trainer, train(resume_from_checkpoint=checkpoint-3) to 6 again; stock,
-    then SnapsvcTrainer. Rank 0 saves each final model as RESULT.<kind>."""
-    from safetensors.torch import save_file
-    for kind in KINDS:
-        run = os.path.join(out, kind)
-        t = make_trainer(kind, run, max_steps=6, ddp_backend="gloo")
-        t.train()
-        t.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
-        _close(t)
-        if t.args.process_index == 0:
-            save_file(weights(t.model), f"{result}.{kind}")
-
-
-@pytest.mark.slow   # 2 processes, 4 train() runs; the writer's rule is also in test_dist_cli
-@pytest.mark.timeout(300)
-def test_torchrun_second_train_resuming_an_earlier_checkpoint(tmp_path):
-    """The second train() re-saves checkpoint-6 as the stock Trainer does, instead of
-    failing on every rank with "step 6 after step 6: steps must increase"."""
-    from safetensors.torch import load_file
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    result = str(tmp_path / "final.safetensors")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.abspath(__file__), str(tmp_path), result],
-        env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    stock, ours = load_file(result + ".stock"), load_file(result + ".snapsvc")
-    for name, tensor in stock.items():
-        assert torch.equal(ours[name], tensor), name
-    for kind in KINDS:
-        assert {"checkpoint-3", "checkpoint-6"} <= set(os.listdir(tmp_path / kind))
-
-
-if __name__ == "__main__":   # torchrun runs this file (the sidecar re-imports it: guarded)
-    dist_second_train(*sys.argv[1:3])
-    hf_script.end_world()
-
-
 @pytest.mark.timeout(150)
 def test_a_stock_trainer_given_a_snapsvc_checkpoint_names_the_fix(tmp_path, no_leaks):
     """Issue 21, item 14: the stock Trainer says only "Can't find a valid checkpoint" of a

@@ -22,6 +22,7 @@ from snapsvc.errors import WriteFailedError
 
 import hooks
 import lightning_script
+from conftest import leak_checked
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLAVOURS = [f for f in ("pytorch_lightning", "lightning.pytorch") if importlib.util.find_spec(f.split(".")[0])]
@@ -31,30 +32,47 @@ if not FLAVOURS:
 from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402  (needs one flavour)
 
 
-def resume_in_new_process(flavour: str, io: str, dirpath, ckpt, out) -> dict:
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "lightning_script.py"), flavour, io,
-                           str(dirpath), "4", str(ckpt), str(out)],
-                          capture_output=True, text=True, timeout=180)
+CASES = [("pytorch_lightning", "snapsvc"), ("lightning.pytorch", "snapsvc"), (FLAVOURS[0], "default")]
+
+
+@pytest.fixture(scope="module")
+def resumed_in_a_new_process(tmp_path_factory, _warm_sidecar) -> dict:
+    """Each case (flavour, io) of the test below fitted 2 epochs here, then all resumed with
+    fit(ckpt_path=epoch 1) to 4 in one new process (a Lightning import each would be most of
+    the cost): {case: (its directory, the JSON line of its resume)}."""
+    top = tmp_path_factory.mktemp("resume")
+    cases, argv = [], []
+    with leak_checked(str(top)):
+        for flavour, io in CASES:
+            if importlib.util.find_spec(flavour.split(".")[0]) is None:
+                continue
+            d = top / f"{flavour}-{io}"
+            lightning_script.fit(flavour, io, str(d / "first"), 2)
+            ckpt = d / "first" / f"epoch=1-step={2 * lightning_script.BATCHES}.ckpt"
+            cases.append((flavour, io))
+            argv += [flavour, io, str(d / "resumed"), "4", str(ckpt), str(d / "resumed.pt")]
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "lightning_script.py"), *argv],
+                              capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(lines) == len(cases), proc.stdout[-4000:]
+    return {case: (top / f"{case[0]}-{case[1]}", line) for case, line in zip(cases, lines)}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flavour, io", [("pytorch_lightning", "snapsvc"), ("lightning.pytorch", "snapsvc"),
-                                         (FLAVOURS[0], "default")])
-def test_resume_in_a_new_process_is_bit_identical(tmp_path, flavour, io, no_leaks):
+@pytest.mark.parametrize("flavour, io", CASES)
+def test_resume_in_a_new_process_is_bit_identical(tmp_path, flavour, io, no_leaks, request):
     """4 epochs in one go == 2 epochs, then fit(ckpt_path=epoch 1) to 4 in a new process.
     io="default" is the control: Lightning's own torch.save checkpoints."""
     pytest.importorskip(flavour)
+    d, got = request.getfixturevalue("resumed_in_a_new_process")[flavour, io]
     _, full, _ = lightning_script.fit(flavour, io, str(tmp_path / "full"), 4)
-    lightning_script.fit(flavour, io, str(tmp_path / "first"), 2)
-    ckpt = tmp_path / "first" / f"epoch=1-step={2 * lightning_script.BATCHES}.ckpt"
+    ckpt = d / "first" / f"epoch=1-step={2 * lightning_script.BATCHES}.ckpt"
     if io == "snapsvc":  # written by the sidecar, not by torch.save
         assert snapsvc.verify(ckpt).ok
-    got = resume_in_new_process(flavour, io, tmp_path / "resumed", ckpt, tmp_path / "resumed.pt")
     # it resumed at epoch 2: trained only the last two epochs
     assert got == {"global_step": 4 * lightning_script.BATCHES, "batches": 2 * lightning_script.BATCHES}
-    want, resumed = full.state_dict(), torch.load(tmp_path / "resumed.pt")
+    want, resumed = full.state_dict(), torch.load(d / "resumed.pt")
     assert list(resumed) == list(want)
     for k in want:
         assert torch.equal(resumed[k], want[k]), k

@@ -1,4 +1,5 @@
-"""SnapsvcCheckpointIO's readers against stock Lightning (issue 30, items 10, 12, 14, 15).
+"""SnapsvcCheckpointIO's readers against stock Lightning (issue 30, items 10, 12, 14; item 15,
+a rank-0-only load under DDP, is in test_lightning_stock.py: one DDP launch runs both).
 
 Each test runs the stock trainer (Lightning's own torch.save IO) as the control in the same test.
 """
@@ -7,11 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,31 +20,7 @@ from snapsvc.lightning import SnapsvcCheckpointIO  # noqa: E402
 
 import hooks  # noqa: E402
 from test_lightning_after_fit import _children  # noqa: E402
-from test_lightning_stock import HERE, Lit, data, trainer  # noqa: E402
-
-
-# -- item 15: a rank-0-only load under DDP takes no collective ----------------------------------
-
-@pytest.mark.timeout(300)
-def test_a_rank_zero_only_load_under_ddp_returns_the_checkpoint(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    for io in ("default", "snapsvc"):
-        d = tmp_path / io
-        d.mkdir()
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "lightning_ddp_rank0_script.py"),
-                                 io, str(d)], cwd=d, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too: a hang in a collective
-            out, _ = proc.communicate()
-            pytest.fail(f"{io}: hung\n{out[-3000:]}")
-        assert proc.returncode == 0, f"{io}: {out[-5000:]}"
-        for name in ("rank0.json", "after_fit.json"):
-            got = json.loads((d / name).read_text())
-            assert got["loaded"] == got["model"] != 0, (io, name)
+from test_lightning_stock import Lit, data, trainer  # noqa: E402
 
 
 # -- item 10: a reader waits for a pending write of its path, whichever plugin owns it -----------

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -302,19 +303,48 @@ def test_load_from_checkpoint_on_a_plugin_checkpoint_as_with_stock(tmp_path, no_
 
 # -- item 6: DDP ----------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> tuple[pathlib.Path, tuple[str, ...]]:
+    """lightning_ddp_script.py's one launch (2 ranks): the validate scenario, then the rank-0
+    load one, each for the stock control and the plugin. (Its directory, the IOs)."""
+    top, ios = tmp_path_factory.mktemp("ddp"), ("default", "snapsvc")
+    for scenario in ("validate", "rank0"):
+        for io in ios:
+            (top / scenario / io).mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "lightning_ddp_script.py"), str(top),
+                             *ios], cwd=top, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too: a hang in a collective
+        out, _ = proc.communicate()
+        done = sorted(str(p.relative_to(top)) for p in top.glob("*/*/*.json"))
+        pytest.fail(f"hung (results written: {done})\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    return top, ios
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ddp_validate_right_after_save_checkpoint_as_with_stock(tmp_path):
+def test_ddp_validate_right_after_save_checkpoint_as_with_stock(ddp_runs):
     """2 ranks: trainer.save_checkpoint(p) then trainer.validate(ckpt_path=p). Every rank validates the
     weights rank 0 saved, although the plugin's write is held 2 s in the sidecar."""
-    for io in ("default", "snapsvc"):
-        d = tmp_path / io
-        d.mkdir()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "lightning_ddp_script.py"), io, str(d)],
-                              capture_output=True, text=True, timeout=280, cwd=d, env=env)
-        assert proc.returncode == 0, f"{io}: " + proc.stderr[-5000:]
-        ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)]
+    top, ios = ddp_runs
+    for io in ios:
+        ranks = [json.loads((top / "validate" / io / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert ranks[0]["saved"] == ranks[1]["saved"] != 0
         assert [r["validated"] for r in ranks] == [r["saved"] for r in ranks], io
+
+
+# -- issue 30, item 15: a rank-0-only load under DDP takes no collective ----------------------------
+
+@pytest.mark.timeout(300)
+def test_a_rank_zero_only_load_under_ddp_returns_the_checkpoint(ddp_runs):
+    top, ios = ddp_runs
+    for io in ios:
+        for name in ("rank0.json", "after_fit.json"):
+            got = json.loads((top / "rank0" / io / name).read_text())
+            assert got["loaded"] == got["model"] != 0, (io, name)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,19 +18,35 @@ from snapsvc.state.resume import optim_path
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(mode: str, optimizer: str, directory) -> list[str]:
-    out = subprocess.run([sys.executable, os.path.join(HERE, "resume_script.py"), mode, optimizer,
-                          str(directory)], capture_output=True, text=True, timeout=150)
+OPTIMIZERS = ["adam", "sgd"]
+
+
+def run(modes: str, *optimizer_and_directory) -> dict[tuple[str, str], list[str]]:
+    """resume_script.py's runs in one new process: their losses by (mode, optimizer)."""
+    out = subprocess.run([sys.executable, os.path.join(HERE, "resume_script.py"), modes,
+                          *map(str, optimizer_and_directory)],
+                         capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    lines = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    return {(r["mode"], r["optimizer"]): r["losses"] for r in lines}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, tuple[str, list[str], list[str]]]:
+    """For each optimizer: its directory, the 20-step control's losses and those of the
+    first 10 steps (checkpointed at step 10), from one process: only the resume needs
+    a process of its own."""
+    dirs = {o: str(tmp_path_factory.mktemp(f"resume-{o}")) for o in OPTIMIZERS}
+    losses = run("full,first", *(a for o in OPTIMIZERS for a in (o, dirs[o])))
+    return {o: (dirs[o], losses["full", o], losses["first", o]) for o in OPTIMIZERS}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, optimizer):
-    full = run("full", optimizer, tmp_path)
-    first = run("first", optimizer, tmp_path)
-    resumed = run("resume", optimizer, tmp_path)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_resume_in_a_fresh_process_is_bit_identical(trained, optimizer):
+    directory, full, first = trained[optimizer]
+    tmp_path = Path(directory)
+    resumed = run("resume", optimizer, tmp_path)["resume", optimizer]
     assert first + resumed == full
     a = snapsvc.read_checkpoint(tmp_path / "full.fdl").entries
     b = snapsvc.read_checkpoint(tmp_path / "resume.fdl").entries
