@@ -1,7 +1,7 @@
 """Stall of ``dcp.async_save`` per storage writer and stager, each beside a raw copy (issue 33).
 
     PYTHONPATH=. python benchmarks/dcp_stall.py [--reps 3] [--shapes 4096x32KiB,nested4096x32KiB]
-        [--no-load]
+        [--no-load] [--methods "dcp thread,snapsvc"]
 
 A world of 1 on gloo, float32 state dicts, except ``fsdp2``. Flat ones, every tensor
 a top-level key (``4096x32KiB``: 4096 tensors of 32 KiB; ``64x4MiB``;
@@ -155,8 +155,8 @@ def _timed_stage(stager: Any, into: list[float]) -> None:
     stager.stage = timed
 
 
-def run(name: str, state: dict[str, Any], reps: int, tmp: str,
-        load: bool = True) -> Iterator[str]:
+def run(name: str, state: dict[str, Any], reps: int, tmp: str, load: bool = True,
+        methods: list[str] | None = None) -> Iterator[str]:
     """Each method's row as soon as it is measured (a run cut short keeps what it printed)."""
     raw = RawCopy()
     stager = DefaultStager(StagingOptions(False, True, False, False))
@@ -183,6 +183,8 @@ def run(name: str, state: dict[str, Any], reps: int, tmp: str,
     best = {}
     try:
         for method, save in saves.items():
+            if methods is not None and method not in methods:
+                continue
             stalls, durables, raws = [], [], []
             for rep in range(reps + 1):
                 r = raw.measure(_tensor_leaves(state))   # a DTensor's local shard
@@ -205,11 +207,12 @@ def run(name: str, state: dict[str, Any], reps: int, tmp: str,
                 stage = f"stage()  (inside){'':17}"
             yield (f"{name:16} {method:11} stall {s * 1e3:9.2f} ms  {stage}  raw "
                         f"{rc * 1e3:7.2f} ms  stall/raw {s / rc:6.2f}x  durable {d * 1e3:8.1f} ms")
-        s, d = best["snapsvc"]
-        yield (f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
-                    f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
-                    f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
-        if load:
+        if {"snapsvc", "dcp best", "dcp thread"} <= set(best):
+            s, d = best["snapsvc"]
+            yield (f"{name:16} snapsvc vs dcp best: stall {s / best['dcp best'][0]:.2f}x, "
+                   f"durable {d / best['dcp best'][1]:.2f}x; vs dcp thread: stall "
+                   f"{s / best['dcp thread'][0]:.2f}x, durable {d / best['dcp thread'][1]:.2f}x")
+        if load and {"snapsvc", "dcp thread"} <= set(best):
             yield load_times(name, state, reps, os.path.join(tmp, name, "fs", str(reps)),
                              os.path.join(tmp, name, "snap", f"step_{reps}"))
     finally:
@@ -236,20 +239,22 @@ def load_times(name: str, state: dict, reps: int, fs_dir: str, snap_dir: str) ->
             f"{sn * 1e3:8.1f} ms  ({sn / fs:.2f}x)")
 
 
-def _print_all(shapes: list[str], reps: int, tmp: str, load: bool, rank: int = 0) -> None:
+def _print_all(shapes: list[str], reps: int, tmp: str, load: bool,
+               methods: list[str] | None, rank: int = 0) -> None:
     for name in shapes:
         state = fsdp2_state() if name == "fsdp2" else make_state(name)
-        for row in run(name, state, reps, tmp, load):
+        for row in run(name, state, reps, tmp, load, methods):
             if rank == 0:
                 print(row, flush=True)
 
 
-def _fsdp2_rank(rank: int, tmp: str, reps: int, load: bool) -> None:
+def _fsdp2_rank(rank: int, tmp: str, reps: int, load: bool,
+                methods: list[str] | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=2)
     try:
-        _print_all(["fsdp2"], reps, tmp, load, rank)
+        _print_all(["fsdp2"], reps, tmp, load, methods, rank)
     finally:
         dist.destroy_process_group()
 
@@ -259,13 +264,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shapes", default="4096x32KiB,nested4096x32KiB,64x4MiB,fsdp2")
     p.add_argument("--no-load", action="store_true", help="skip the dcp.load comparison")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of: dcp best,dcp thread,dcp no-copy,snapsvc "
+                        "(the load needs dcp thread and snapsvc)")
     args = p.parse_args()
     shapes = args.shapes.split(",")
+    methods = None if args.methods is None else args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         if "fsdp2" in shapes:   # a world of 2 of its own, before this process joins one
             shapes.remove("fsdp2")
             import torch.multiprocessing as mp
-            mp.start_processes(_fsdp2_rank, args=(tmp, args.reps, not args.no_load), nprocs=2,
+            mp.start_processes(_fsdp2_rank, args=(tmp, args.reps, not args.no_load, methods), nprocs=2,
                                start_method="fork")
         if not shapes:
             return
@@ -273,7 +282,7 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
-            _print_all(shapes, args.reps, tmp, not args.no_load)
+            _print_all(shapes, args.reps, tmp, not args.no_load, methods)
         finally:
             dist.destroy_process_group()
 
