@@ -133,6 +133,17 @@ def scenario_killed(rank: int, world: int, tmp: str) -> dict:
             pass
 
 
+def scenario_load_latest(rank: int, world: int, tmp: str, root: str) -> dict:
+    """Each rank of another world size loads ``latest_checkpoint(root)`` through
+    SnapsvcStorageReader into its own shards (DCP's planner reshards)."""
+    sd = zeroed(make_state(rank, world))
+    path = snapsvc.latest_checkpoint(root)
+    dcp.load(sd, storage_reader=SnapsvcStorageReader(path))
+    want = make_state(rank, world)
+    return {"path": path, "same": torch.equal(local(sd["w"]), local(want["w"]))
+            and torch.equal(sd["b"], want["b"]) and sd["meta"] == want["meta"]}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp")
@@ -193,7 +204,7 @@ def test_default_reader_names_snapsvc_reader(saved):
         dcp.load(sd, storage_reader=dcp.FileSystemReader(tmp / "snap" / "step_1"), no_dist=True)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_rank_killed_mid_save_writes_no_metadata_and_the_previous_step_loads(tmp_path):
     codes, results = run_world(tmp_path, 2, scenario_killed, run_s=90)
     assert codes[1] == -signal.SIGKILL
@@ -206,6 +217,13 @@ def test_rank_killed_mid_save_writes_no_metadata_and_the_previous_step_loads(tmp
     dcp.load(sd, storage_reader=SnapsvcStorageReader(snapsvc.latest_checkpoint(snap)),
              no_dist=True)
     assert torch.equal(sd["w"], FULL_W)
+    # resharded to world 3 (uneven shards of 3, 3, 2 rows): each rank finds the same
+    # previous step and loads its own shard of it
+    (tmp_path / "world3").mkdir()   # a rendezvous file of its own
+    codes, results = run_world(tmp_path / "world3", 3, scenario_load_latest, run_s=90,
+                               root=str(snap))
+    assert codes == [0, 0, 0], results
+    assert results == [{"path": str(snap / "step_1"), "same": True}] * 3, results
 
 
 def _truncate(step):

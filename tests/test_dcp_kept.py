@@ -183,3 +183,30 @@ def test_kept_stage_plan_keeps_no_tensor_of_the_state_alive(world1, tmp_path):
         assert w._plan._kept is not None   # the plan itself is still kept
     finally:
         w.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_copies_staged_under_one_kept_plan_each_write_their_own_values(world1, tmp_path):
+    """A kept plan's staged states share their placeholders (one carries the ticket): two
+    copies held at once (``slots=2``) still write each its own slot's values."""
+    root = tmp_path / "ckpt"
+    state = {"m": {"a": _values(), "b": _values(36).reshape(6, 6)}, "lr": 0.1}
+    w = SnapsvcStorageWriter(root / "step_1", coord_timeout=60)
+    try:
+        _save(w, state, root, 1)
+        first = w.stage(state)
+        want_first = {"m": {k: v.clone() for k, v in state["m"].items()}, "lr": 0.1}
+        with torch.no_grad():
+            state["m"]["a"].mul_(2)
+            state["m"]["b"].add_(1)
+        state["lr"] = 0.05
+        second = w.stage(state)
+        assert w._plan.planned == 1
+        dcp.save(first, storage_writer=w, checkpoint_id=root / "step_2")
+        dcp.save(second, storage_writer=w, checkpoint_id=root / "step_3")
+    finally:
+        w.close()
+    for step, want in ((2, want_first), (3, state)):
+        got = {"m": _zeroed(state["m"]), "lr": 0.0}
+        dcp.load(got, storage_reader=SnapsvcStorageReader(root / f"step_{step}"))
+        assert _same(got, want), (step, got, want)

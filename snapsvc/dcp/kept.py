@@ -123,6 +123,9 @@ class _Kept:
     fqns: list[str]                       # DCP's flat keys, one per leaf
     tensors: list[int]                    # which leaves are tensors
     items: list[list[WriteItem]]          # and DCP's write items of each
+    template: list[Any]                   # DCP's staged leaves: a ticketless StagedTensor
+    # per tensor, shared by every stage (4096 fresh ones per stage cost their allocation
+    # and the garbage collections it set off); the first one is made anew with the ticket
     grads: list[bool]
     guard: Callable[[list[torch.Tensor]], bool]
     dtensors: list[int]                   # which of the tensors are DTensors
@@ -132,6 +135,7 @@ class _Kept:
     paths: list[tuple]                    # their key paths in the state (and the tree)
     values: list[Any]                     # their values in the tree, as last staged
     sources: tuple[list[int], list[int], list[int]]   # per entry of the Flat: its leaf
+    names: tuple[list, list, list, list]  # the Flat's param, buffer names; rest's kinds, names
     flat: Flat                            # its names, tree and geometry; no tensor
     records: list[dict[str, Any]]
     desc: dict[str, Any]
@@ -189,9 +193,9 @@ class StagePlan:
         if edits:   # the kept tree holds the values of now, as kept.values does: the next
             # reuse skips a value that stayed, so the tree must already have it
             kept.flat = dataclasses.replace(kept.flat, tree=_patched(kept.flat.tree, edits))
-        staged = list(leaves)
-        for i, items in zip(kept.tensors, kept.items):
-            staged[i] = StagedTensor(ticket, items)
+        staged = list(kept.template)
+        if kept.tensors:
+            staged[kept.tensors[0]] = StagedTensor(ticket, kept.items[0])
         for i in kept.plain:
             staged[i] = _copied(leaves[i])
         return dict(zip(kept.fqns, staged)), self._flat(kept, leaves)
@@ -200,16 +204,18 @@ class StagePlan:
     def _flat(kept: _Kept, leaves: list) -> tuple[Flat, list, dict]:
         """The kept Flat with the pieces of now: a leaf's tensor, or its local tensor."""
         f = kept.flat
+        get = leaves.__getitem__
 
         def pieces(idx: list[int]) -> list[torch.Tensor]:
+            if not kept.dtensors:   # no local tensor to take: one C-level pass
+                return list(map(get, idx))
             return [leaves[i] if i >= 0 else _LOCAL(leaves[~i]) for i in idx]
         p, b, r = map(pieces, kept.sources)
-        flat = Flat([(n, t) for (n, _), t in zip(f.params, p)],
-                     [(n, t) for (n, _), t in zip(f.buffers, b)],
-                     [(k, n, t) for (k, n, _), t in zip(f.rest, r)],
-                     f.tree, f.structural_hash, f.kinds,
-                     f.checked, None if f.geometry is None else
-                     (list(f.geometry[0]), list(f.geometry[1]), list(f.geometry[2])))
+        pn, bn, rk, rn = kept.names
+        flat = Flat(list(zip(pn, p)), list(zip(bn, b)), list(zip(rk, rn, r)),
+                    f.tree, f.structural_hash, f.kinds,
+                    f.checked, None if f.geometry is None else
+                    (list(f.geometry[0]), list(f.geometry[1]), list(f.geometry[2])))
         return flat, kept.records, copy.deepcopy(kept.desc)
 
     def _plan(self, state: Mapping[str, Any], ticket: int,
@@ -273,12 +279,19 @@ class StagePlan:
             except (SnapsvcError, ValueError, TypeError):
                 return None   # a module, an object with state_dict(): walked anew each time
         dts = [ts[j] for j in dtensors]
-        return _Kept(outline, list(map(type, leaves)), fqns, tensors,
-                     [items_of[fqns[i]] for i in tensors], list(map(_GRAD, ts)),
+        items = [items_of[fqns[i]] for i in tensors]
+        template: list[Any] = [None] * len(leaves)
+        for i, its in zip(tensors, items):
+            template[i] = StagedTensor(None, its)
+        return _Kept(outline, list(map(type, leaves)), fqns, tensors, items, template,
+                     list(map(_GRAD, ts)),
                      tensor_guard(ts), dtensors,
                      [(d.device_mesh, d.placements) for d in dts],
                      tensor_guard(list(map(_LOCAL, dts))), plain, [paths[i] for i in plain],
-                     values, sources, _without_tensors(flat), records, desc)
+                     values, sources,
+                     ([n for n, _ in flat.params], [n for n, _ in flat.buffers],
+                      [k for k, _, _ in flat.rest], [n for _, n, _ in flat.rest]),
+                     _without_tensors(flat), records, desc)
 
 
 def _without_tensors(flat: Flat) -> Flat:

@@ -23,11 +23,14 @@ __all__ = ["StagedTensor", "ticket_of"]
 
 
 class StagedTensor:
-    """A tensor of a staged state: held in slot ``ticket`` under DCP's ``items``."""
+    """A tensor of a staged state: held in slot ``ticket`` under DCP's ``items``.
+
+    One tensor of each staged state carries the ticket; a kept plan's others are
+    shared by every stage and carry None (see :func:`ticket_of`)."""
 
     __slots__ = ("ticket", "items")
 
-    def __init__(self, ticket: int, items: list[WriteItem]) -> None:
+    def __init__(self, ticket: int | None, items: list[WriteItem]) -> None:
         self.ticket = ticket
         self.items = items
 
@@ -36,10 +39,10 @@ class StagedTensor:
         return [dataclasses.replace(it, index=dataclasses.replace(it.index, fqn=fqn))
                 for it in self.items]
 
-    def __getstate__(self) -> tuple[int, list[WriteItem]]:
+    def __getstate__(self) -> tuple[int | None, list[WriteItem]]:
         return self.ticket, self.items
 
-    def __setstate__(self, state: tuple[int, list[WriteItem]]) -> None:
+    def __setstate__(self, state: tuple[int | None, list[WriteItem]]) -> None:
         self.ticket, self.items = state
 
     def __repr__(self) -> str:
@@ -51,6 +54,6 @@ def ticket_of(state_dict: Any) -> int | None:
     if not isinstance(state_dict, Mapping):
         return None
     for v in state_dict.values():
-        if isinstance(v, StagedTensor):
+        if isinstance(v, StagedTensor) and v.ticket is not None:
             return v.ticket
     return None

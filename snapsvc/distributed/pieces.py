@@ -201,9 +201,16 @@ class _PieceReader:
 
     def assemble(self, g: _Global, offsets: list[int], lengths: list[int]) -> torch.Tensor:
         """The block of ``g`` at ``offsets``/``lengths``, from the pieces overlapping it only."""
+        overlapping = self.overlapping(g, offsets, lengths)
+        if len(overlapping) == 1:
+            p = overlapping[0][0]
+            if list(p.offsets) == list(offsets) and list(p.lengths) == list(lengths):
+                # the block is one whole piece (read at the sharding it was saved with):
+                # the piece's own fresh buffer, not copied a second time
+                return self.read(g, p)
         out = torch.empty(lengths, dtype=g.dtype)
         covered = 0
-        for p, lo, hi in self.overlapping(g, offsets, lengths):
+        for p, lo, hi in overlapping:
             src = self.read(g, p)[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
             covered += math.prod(b - a for a, b in zip(lo, hi))
