@@ -2,7 +2,7 @@
 
 Eviction follows what the world agreed, never a count of writes: a step
 becomes *complete* when it is committed and every replica of it was placed
-(the replication round's closing exchange, the same answer on every rank).
+(learnt at the next commit exchange, the same answer on every rank).
 Once step N is complete, the RAM copies (this rank's own memory-only files
 and the replicas it holds) of steps older than the ``keep``-th newest complete
 step go. So the newest complete step is never dropped for a newer step still

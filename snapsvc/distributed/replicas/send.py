@@ -19,15 +19,22 @@ own bytes and metadata, so a read checks a replica's CRC-32s as the origin's.
 Lifetime: a replica is a file in tmpfs that outlives a killed trainer (what a
 lost node's peers serve); the next writer of that rank on the directory
 adopts it, and a clean ``close()`` drops the replicas the rank holds. What
-stays in RAM follows the steps complete in RAM (:mod:`.keep`): each round ends
-with an exchange saying whether every replica of the step was placed.
+stays in RAM follows the steps complete in RAM (:mod:`.keep`).
 
-Loss of a holder: a holder that cannot hold a replica answers why; the
-origin's ``replicated()`` raises naming it, the closing exchange tells every
-rank, and from the next step on the placement passes it over (the copy goes to
-the next node of the ring), with one warning per origin. A transfer that fails
-(a peer process died: the group's state is unknown) stops replication for this
-writer; its coordinator fails the same way.
+Agreement without a collective of its own: each rank's next commit exchange
+(:mod:`..commit`, which needs every rank anyway) carries its report of the
+rounds it finished (its replicas placed or not), the holders that refused,
+and the peers whose transfer failed. Every rank applies the same reports in
+the same order before its next round, so placement and completeness agree.
+
+Loss of a holder: a holder that cannot hold a replica answers why; a transfer
+that fails (the peer's process or its replication died: closed connection, or
+no answer within the group's timeout) loses that link. Either way the origin's
+``replicated()`` raises naming the peer, the other pairs of the round go on,
+and from the next agreed step the placement passes the peer over (the copy
+goes to the next node of the ring), with one warning per origin. A rank whose
+link was lost takes no more part (as origin or holder): its peers never wait
+on it again, so nothing waits longer than one group timeout.
 """
 
 from __future__ import annotations
@@ -137,53 +144,98 @@ def held_by(directory: str, step: int, holder: int, world: int) -> dict[int, str
     return out
 
 
-def _send_bytes(data: bytes | torch.Tensor, peer: int, group: Any) -> None:
+# ops given up on past their deadline, with the buffers gloo may still write: kept alive
+_abandoned: list[tuple[Any, Any]] = []
+
+
+def _wait(work: Any, timeout: float | None, what: str, keep: Any = None) -> None:
+    """Wait for the gloo op ``work``, at most ``timeout`` seconds (None: as the group
+    says). Our own deadline, not gloo's: a gloo timeout closes every pair of the group
+    on this rank, so one lost peer would cut this rank off from all the others. An op
+    given up on stays pending, its buffers (``keep``) alive, its link never used again."""
+    if timeout is None:
+        work.wait()
+        return
+    done, errors = threading.Event(), []
+
+    def waiter() -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=waiter, name="snapsvc-replica-wait", daemon=True).start()
+    if not done.wait(timeout):
+        _abandoned.append((work, keep))
+        raise TimeoutError(f"{what}: not done within {timeout:g} s")
+    if errors:
+        raise errors[0]
+
+
+def _send(t: torch.Tensor, peer: int, group: Any, timeout: float | None) -> None:
+    _wait(dist.isend(t, peer, group=group), timeout, f"sending {t.numel()} bytes to rank {peer}",
+          t)
+
+
+def _recv(t: torch.Tensor, peer: int, group: Any, timeout: float | None, keep: Any = None) -> None:
+    _wait(dist.irecv(t, peer, group=group), timeout,
+          f"receiving {t.numel()} bytes from rank {peer}", (t, keep))
+
+
+def _send_bytes(data: bytes | torch.Tensor, peer: int, group: Any,
+                timeout: float | None = None) -> None:
     t = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data) or
                                                                      bytearray(1), dtype=torch.uint8)
-    dist.send(torch.tensor([t.numel()], dtype=torch.int64), peer, group=group)
-    dist.send(t, peer, group=group)
+    _send(torch.tensor([t.numel()], dtype=torch.int64), peer, group, timeout)
+    _send(t, peer, group, timeout)
 
 
-def _recv_bytes(peer: int, group: Any) -> torch.Tensor:
+def _recv_bytes(peer: int, group: Any, timeout: float | None = None) -> torch.Tensor:
     n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, peer, group=group)
+    _recv(n, peer, group, timeout)
     t = torch.empty(int(n), dtype=torch.uint8)
-    dist.recv(t, peer, group=group)
+    _recv(t, peer, group, timeout)
     return t
 
 
-def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> int:
+def send_files(paths: list[str], peer: int, group: Any, error: str | None = None,
+               timeout: float | None = None) -> int:
     """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
-    ``error``), then each non-empty file's bytes as one message; the bytes sent."""
+    ``error``), then each non-empty file's bytes as one message; the bytes sent.
+    ``timeout``: seconds each message may take (None: as the group says)."""
     present = [p for p in paths if os.path.exists(p)] if error is None else []
     sizes = [os.path.getsize(p) for p in present]
     _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
-                            "error": error}), peer, group)
+                            "error": error}), peer, group, timeout)
     for p, n in zip(present, sizes):
         if n:   # read by torch straight into the tensor sent: one copy
-            dist.send(torch.from_file(p, shared=False, size=n, dtype=torch.uint8), peer,
-                      group=group)
+            _send(torch.from_file(p, shared=False, size=n, dtype=torch.uint8), peer, group,
+                  timeout)
     return sum(sizes)
 
 
-def recv_header(peer: int, group: Any) -> dict[str, Any]:
+def recv_header(peer: int, group: Any, timeout: float | None = None) -> dict[str, Any]:
     """The header :func:`send_files` sends first: ``names``, ``sizes``, ``error``."""
-    header: dict[str, Any] = unpack_value(bytes(_recv_bytes(peer, group).tolist()))
+    header: dict[str, Any] = unpack_value(bytes(_recv_bytes(peer, group, timeout).tolist()))
     return header
 
 
-def recv_files(peer: int, group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+def recv_files(peer: int, group: Any, header: dict[str, Any],
+               timeout: float | None = None) -> dict[str, torch.Tensor]:
     """The files of ``header`` into memory: name -> bytes (also to drain a refused one)."""
     files = {}
     for name, n in zip(header["names"], header["sizes"]):
         files[name] = torch.empty(n, dtype=torch.uint8)
         if n:
-            dist.recv(files[name], peer, group=group)
+            _recv(files[name], peer, group, timeout)
     return files
 
 
 def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
-                   spare: Callable[[int], str | None] | None = None) -> None:
+                   spare: Callable[[int], str | None] | None = None,
+                   timeout: float | None = None) -> None:
     """The files of ``header`` straight into ``folder`` (private, 0600): each received
     into the mapping of its temp file (no buffer in between), then renamed, the
     metadata (``.meta``) last: it vouches for the rest. ``spare(n)``: a file whose
@@ -210,11 +262,13 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
                     os.posix_fallocate(fd, 0, n)
                     # pages already there (a spare): their page tables filled at once
                     populate = getattr(mmap, "MAP_POPULATE", 0) if reuse else 0
-                    with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate) as mapped:
-                        target = torch.frombuffer(mapped, dtype=torch.uint8)
-                        dist.recv(target, peer, group=group)
-                        received = i + 1
-                        del target   # the mapping closes only once no tensor uses it
+                    mapped = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate)
+                    target = torch.frombuffer(mapped, dtype=torch.uint8)
+                    # past the deadline the op stays pending: the mapping with it
+                    _recv(target, peer, group, timeout, mapped)
+                    received = i + 1
+                    del target   # the mapping closes only once no tensor uses it
+                    mapped.close()
             finally:
                 os.close(fd)
         for temp, final in sorted(temps, key=lambda tf: tf[1].endswith(".meta")):
@@ -225,10 +279,10 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
                 os.unlink(temp)
             except FileNotFoundError:
                 pass
-        if isinstance(e, OSError):   # the origin still sends the rest: taken, in step
-            for n in sizes[received:]:
+        if isinstance(e, OSError) and not isinstance(e, TimeoutError):
+            for n in sizes[received:]:   # the origin still sends the rest: taken, in step
                 if n:
-                    dist.recv(torch.empty(n, dtype=torch.uint8), peer, group=group)
+                    _recv(torch.empty(n, dtype=torch.uint8), peer, group, timeout)
         raise
 
 
@@ -246,13 +300,21 @@ class Replicator:
         self.timeout = timeout
         self.keeper = keeper   # a .keep.Keeper: what stays in RAM
         self.nodes: list[str] = _all_gather_msg(node, world_size, group)   # a collective
-        self.gone: set[int] = set()   # holders that could not hold, agreed: passed over
+        self.gone: set[int] = set()   # holders passed over, agreed (refused, or out)
+        self.out: set[int] = set()   # ranks a peer lost the link with, agreed: no part at all
+        self.lost: dict[int, str] = {}   # peers whose transfer failed here: never used again
         self.placement = [place_replicas(self.nodes, r, replicas) for r in range(world_size)]
         if replicas and len(set(self.nodes)) <= min(replicas, world_size - 1):
             log.warning("snapsvc: replicas=%d but only %d node(s): some replicas share a node "
                         "with their origin", replicas, len(set(self.nodes)))
-        self.queue: "queue.Queue[tuple[Any, str] | None]" = queue.Queue()
-        self.broken: str | None = None
+        self.queue: "queue.Queue[tuple[Any, list[Any]] | None]" = queue.Queue()
+        # for the next commit exchange: the rounds finished here (step, every replica of
+        # this rank placed), and the peers lost here since the last exchange
+        self._lock = threading.Lock()
+        self._done: list[list[Any]] = []
+        self._refused: set[int] = set()
+        self._reported: set[int] = set()
+        self._tally: dict[int, set[int] | None] = {}   # step -> ranks whose round placed all
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
         self.thread: threading.Thread | None = None
 
@@ -265,9 +327,20 @@ class Replicator:
         self.thread = threading.Thread(target=self._run, name="snapsvc-replicas", daemon=True)
         self.thread.start()
 
-    def add(self, handle: Any, file: str) -> None:
-        """Replicate the committed step of ``handle`` (this rank's file ``file``)."""
-        self.queue.put((handle, file))
+    def add(self, handle: Any, tables: list[Any]) -> None:
+        """After a commit exchange (the coordinator thread): every rank's :meth:`report`
+        of it, and the committed step of ``handle`` to replicate (None: not committed)."""
+        self.queue.put((handle, tables))
+
+    def report(self) -> dict[str, Any]:
+        """What this rank tells the others in the next commit exchange (the coordinator
+        thread): the rounds it finished, and the peers it lost, since the last one."""
+        with self._lock:
+            done, self._done = self._done, []
+            refused, self._refused = sorted(self._refused), set()
+            lost = sorted(set(self.lost) - self._reported)
+            self._reported.update(lost)
+        return {"done": done, "lost": lost, "refused": refused}
 
     def stop(self, timeout: float | None) -> bool:
         """Let the queued steps replicate (bounded); True when the thread ended."""
@@ -296,53 +369,85 @@ class Replicator:
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
-            handle, file = job
-            if self.broken is not None:
-                # committed, its own copies held: complete in RAM without replicas, so
-                # older steps still leave RAM (each rank on its own: no exchange now)
-                self.keeper.completed(handle.step)
-                _fail(handle, SnapsvcError(f"step {handle.step}: not replicated: replication "
-                                           f"stopped after {self.broken}"))
-                continue
+            handle, tables = job
             try:
-                self._one(handle, file)
-            except Exception as e:   # a peer died or hung: the group's state is unknown
-                self.broken = f"step {handle.step}: {_reason(e)}"
-                log.error("snapsvc: replicating step %d failed on rank %d: %s; no further "
-                          "replicas from this writer", handle.step, self.rank, _reason(e))
-                _fail(handle, SnapsvcError(
-                    f"step {handle.step}: replicas of rank {self.rank} not placed on rank(s) "
-                    f"{self.holders}: {_reason(e)}"))
+                self._agree(tables)
+                if handle is not None:
+                    self._one(handle)
+            except Exception as e:   # a bug: a peer's failure is caught per pair
+                log.exception("snapsvc: replicating on rank %d failed", self.rank)
+                if handle is not None:
+                    _fail(handle, SnapsvcError(f"step {handle.step}: replicas of rank "
+                                               f"{self.rank} not placed: {_reason(e)}"))
 
-    def _one(self, handle: Any, file: str) -> None:
+    def _agree(self, tables: list[Any]) -> None:
+        """Every rank's report of one commit exchange (the same on every rank, applied
+        in the same order). Holders that refused are passed over; ranks a peer lost
+        the link with take no more part, as holders or origins (from the next step
+        on). A step is complete in RAM once every rank still taking part finished
+        its round with its replicas placed: the keeper then drops older steps."""
+        failed: set[int] = set()
+        for table in filter(None, tables):
+            self.out.update(table["lost"])
+            failed.update(table["lost"], table["refused"])
+        for r, table in enumerate(tables):
+            for step, ok in (table or {}).get("done", ()):
+                ranks = self._tally.setdefault(step, set())
+                if ranks is not None:
+                    self._tally[step] = ranks | {r} if ok else None
+        for step, ranks in sorted(self._tally.items()):
+            if ranks is not None and len(ranks | self.out) >= self.world_size:
+                self.keeper.completed(step)
+        done = set(self.keeper.complete)
+        self._tally = {s: v for s, v in self._tally.items()
+                       if s not in done and (not done or s > min(done))}
+        self._pass_over(failed)
+
+    def _one(self, handle: Any) -> None:
         """One step's round: every (origin, holder) pair in the same order on every
-        rank, then a closing exchange: which holders could not hold (passed over
-        from the next step on), and whether the step is complete in RAM."""
-        from ..coord import _all_gather_msg
-        step, group = handle.step, self.group
-        source = held(file) or file   # its RAM copy (persist=False), else the disk
+        rank, only the two ranks of a pair acting on it. A pair whose transfer fails
+        (a peer died, hung past the group's timeout, or its replication is gone) is
+        lost to this rank: reported at the next exchange, never used again."""
+        step = handle.step
+        source = held(handle.file) or handle.file   # its RAM copy (persist=False), else the disk
         problems: dict[int, str] = {}
         t0, sent = time.monotonic(), 0
-        holders = list(self.holders)
+        holders = [] if self.rank in self.out else list(self.holders)
         for origin, placed in enumerate(self.placement):
+            if origin in self.out:
+                continue
             for h in placed:
                 if origin == self.rank:
-                    paths = checkpoint_names(source)
-                    # whole files, each one tensor over the file's pages (no copy in Python)
-                    sent += send_files(paths, h, group)
-                    answer = unpack_value(bytes(_recv_bytes(h, group).tolist()))
+                    if h in self.lost:
+                        problems[h] = f"an earlier transfer with it failed ({self.lost[h]})"
+                        continue
+                    try:   # whole files, each one tensor over the file's pages
+                        sent += send_files(checkpoint_names(source), h, self.group,
+                                           timeout=self.timeout)
+                        answer = unpack_value(bytes(_recv_bytes(h, self.group,
+                                                                self.timeout).tolist()))
+                    except Exception as e:
+                        answer = f"the transfer failed: {self._lose(h, step, e)}"
                     if answer is not None:
                         problems[h] = answer
-                elif h == self.rank:
-                    _send_bytes(pack_value(self._receive(origin, step)), origin, group)
-        short = len(holders) < min(self.replicas, self.world_size - 1)
-        tables = _all_gather_msg({"failed": sorted(problems), "short": short},
-                                 self.world_size, group)
-        self.counts["replica_s"] += time.monotonic() - t0   # the closing exchange included
+                        with self._lock:
+                            self._refused.add(h)
+                elif h == self.rank and origin not in self.lost:
+                    try:
+                        why = self._receive(origin, step)
+                        _send_bytes(pack_value(why), origin, self.group, self.timeout)
+                    except Exception as e:
+                        self._lose(origin, step, e)
+        short = self.rank not in self.out and len(holders) < min(self.replicas,
+                                                                  self.world_size - 1)
+        if self.rank in self.out:
+            problems = {h: f"the replication link failed: {why}" for h, why in self.lost.items()}
+            problems = problems or {self.rank: "a peer lost its replication link with this rank"}
+        self.counts["replica_s"] += time.monotonic() - t0
         self.counts["replica_bytes"] += sent
-        if not any(t["failed"] or t["short"] for t in tables):
-            self.keeper.completed(step)
-        self._pass_over({h for t in tables for h in t["failed"]}, step)
+        with self._lock:
+            # a rank out of replication has only its own copy: as complete as it gets
+            self._done.append([step, not problems or self.rank in self.out])
         if problems or short:
             why = "; ".join(f"rank {h} (node {self.nodes[h]}): {problems[h]}"
                             for h in sorted(problems))
@@ -356,10 +461,20 @@ class Replicator:
         self.counts["replicated"] += 1
         _resolve(handle, holders)
 
-    def _pass_over(self, failed: set[int], step: int) -> None:
-        """The holders in ``failed`` (every rank's same set) hold no more replicas:
-        each origin they served re-replicates to another live node from the next
-        step on, and says so once."""
+    def _lose(self, peer: int, step: int, e: BaseException) -> str:
+        """The link with ``peer`` failed: never used again by this rank; the reason."""
+        why = _reason(e)
+        with self._lock:
+            self.lost[peer] = why
+        log.warning("snapsvc: rank %d lost its replication link with rank %d (node %s) at step "
+                    "%d: %s; no replica goes between them from now on", self.rank, peer,
+                    self.nodes[peer], step, why)
+        return why
+
+    def _pass_over(self, failed: set[int], step: int | None = None) -> None:
+        """The ranks in ``failed`` (every rank's same set) take no more part: each
+        origin they served re-replicates to another live node from the next step on,
+        and says so once."""
         new = failed - self.gone
         if not new:
             return
@@ -367,25 +482,29 @@ class Replicator:
         before = self.holders
         self.placement = [place_replicas(self.nodes, r, self.replicas, self.gone)
                           for r in range(self.world_size)]
-        if before != self.holders:
-            log.warning("snapsvc: rank(s) %s could not hold rank %d's replica of step %d; "
-                        "from the next step on it goes to rank(s) %s (node(s) %s)",
-                        sorted(new & set(before)), self.rank, step, self.holders,
+        if before != self.holders and self.rank not in self.gone:
+            log.warning("snapsvc: rank(s) %s could not hold rank %d's replica%s; from the next "
+                        "step on it goes to rank(s) %s (node(s) %s)",
+                        sorted(new & set(before)), self.rank,
+                        "" if step is None else f" of step {step}", self.holders,
                         [self.nodes[h] for h in self.holders])
 
     def _receive(self, origin: int, step: int) -> str | None:
         """Hold ``origin``'s replica of ``step``; None, or why not (a refused replica's
         bytes are still received, so that the exchange stays in step)."""
-        header = recv_header(origin, self.group)
+        header = recv_header(origin, self.group, self.timeout)
         if header["error"] is not None:
             return str(header["error"])
         self.keeper.seen.add(step)
         folder, why = self._place(header, step)
         if folder is None:
-            recv_files(origin, self.group, header)   # drained
+            recv_files(origin, self.group, header, self.timeout)   # drained
             return why
         try:
-            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare)
+            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare,
+                           self.timeout)
+        except TimeoutError:
+            raise   # the link is lost
         except (OSError, SnapsvcError) as e:
             return _reason(e)
         return None
