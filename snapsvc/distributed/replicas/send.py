@@ -41,17 +41,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import mmap
 import os
 import queue
 import re
 import socket
 import threading
 import time
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Collection, Sequence
 
-import torch
-import torch.distributed as dist
 
 from ...errors import SnapsvcError
 from ...files.metafile import checkpoint_names, meta_path
@@ -60,6 +57,8 @@ from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
 from ..manifest import step_dir
+from .transport import Pipe, _recv_bytes, _send_bytes, recv_files, recv_header, \
+    recv_to_folder, send_files
 
 __all__ = ["node_id", "place_replicas", "replica_file", "Replicator", "NODE_ENV"]
 
@@ -144,148 +143,6 @@ def held_by(directory: str, step: int, holder: int, world: int) -> dict[int, str
     return out
 
 
-# ops given up on past their deadline, with the buffers gloo may still write: kept alive
-_abandoned: list[tuple[Any, Any]] = []
-
-
-def _wait(work: Any, timeout: float | None, what: str, keep: Any = None) -> None:
-    """Wait for the gloo op ``work``, at most ``timeout`` seconds (None: as the group
-    says). Our own deadline, not gloo's: a gloo timeout closes every pair of the group
-    on this rank, so one lost peer would cut this rank off from all the others. An op
-    given up on stays pending, its buffers (``keep``) alive, its link never used again."""
-    if timeout is None:
-        work.wait()
-        return
-    done, errors = threading.Event(), []
-
-    def waiter() -> None:
-        try:
-            work.wait()
-        except Exception as e:
-            errors.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=waiter, name="snapsvc-replica-wait", daemon=True).start()
-    if not done.wait(timeout):
-        _abandoned.append((work, keep))
-        raise TimeoutError(f"{what}: not done within {timeout:g} s")
-    if errors:
-        raise errors[0]
-
-
-def _send(t: torch.Tensor, peer: int, group: Any, timeout: float | None) -> None:
-    _wait(dist.isend(t, peer, group=group), timeout, f"sending {t.numel()} bytes to rank {peer}",
-          t)
-
-
-def _recv(t: torch.Tensor, peer: int, group: Any, timeout: float | None, keep: Any = None) -> None:
-    _wait(dist.irecv(t, peer, group=group), timeout,
-          f"receiving {t.numel()} bytes from rank {peer}", (t, keep))
-
-
-def _send_bytes(data: bytes | torch.Tensor, peer: int, group: Any,
-                timeout: float | None = None) -> None:
-    t = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data) or
-                                                                     bytearray(1), dtype=torch.uint8)
-    _send(torch.tensor([t.numel()], dtype=torch.int64), peer, group, timeout)
-    _send(t, peer, group, timeout)
-
-
-def _recv_bytes(peer: int, group: Any, timeout: float | None = None) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.int64)
-    _recv(n, peer, group, timeout)
-    t = torch.empty(int(n), dtype=torch.uint8)
-    _recv(t, peer, group, timeout)
-    return t
-
-
-def send_files(paths: list[str], peer: int, group: Any, error: str | None = None,
-               timeout: float | None = None) -> int:
-    """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
-    ``error``), then each non-empty file's bytes as one message; the bytes sent.
-    ``timeout``: seconds each message may take (None: as the group says)."""
-    present = [p for p in paths if os.path.exists(p)] if error is None else []
-    sizes = [os.path.getsize(p) for p in present]
-    _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
-                            "error": error}), peer, group, timeout)
-    for p, n in zip(present, sizes):
-        if n:   # read by torch straight into the tensor sent: one copy
-            _send(torch.from_file(p, shared=False, size=n, dtype=torch.uint8), peer, group,
-                  timeout)
-    return sum(sizes)
-
-
-def recv_header(peer: int, group: Any, timeout: float | None = None) -> dict[str, Any]:
-    """The header :func:`send_files` sends first: ``names``, ``sizes``, ``error``."""
-    header: dict[str, Any] = unpack_value(bytes(_recv_bytes(peer, group, timeout).tolist()))
-    return header
-
-
-def recv_files(peer: int, group: Any, header: dict[str, Any],
-               timeout: float | None = None) -> dict[str, torch.Tensor]:
-    """The files of ``header`` into memory: name -> bytes (also to drain a refused one)."""
-    files = {}
-    for name, n in zip(header["names"], header["sizes"]):
-        files[name] = torch.empty(n, dtype=torch.uint8)
-        if n:
-            _recv(files[name], peer, group, timeout)
-    return files
-
-
-def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
-                   spare: Callable[[int], str | None] | None = None,
-                   timeout: float | None = None) -> None:
-    """The files of ``header`` straight into ``folder`` (private, 0600): each received
-    into the mapping of its temp file (no buffer in between), then renamed, the
-    metadata (``.meta``) last: it vouches for the rest. ``spare(n)``: a file whose
-    pages to reuse for ``n`` bytes (renamed to the temp name), or None."""
-    temps: list[tuple[str, str]] = []
-    sizes = header["sizes"]
-    received = 0   # the files whose bytes came
-    try:
-        for i, (name, n) in enumerate(zip(header["names"], sizes)):
-            received = i if n else i + 1
-            final = os.path.join(folder, name)
-            temp = f"{final}.{os.getpid()}.tmp"
-            reuse = spare(n) if spare is not None and n else None
-            if reuse is not None:
-                os.replace(reuse, temp)
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
-                         (0 if reuse else os.O_TRUNC), 0o600)
-            temps.append((temp, final))
-            try:
-                if n:
-                    os.ftruncate(fd, n)
-                    # the pages reserved first: a full tmpfs is ENOSPC here, not a SIGBUS
-                    # when recv() touches a page of the mapping
-                    os.posix_fallocate(fd, 0, n)
-                    # pages already there (a spare): their page tables filled at once
-                    populate = getattr(mmap, "MAP_POPULATE", 0) if reuse else 0
-                    mapped = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate)
-                    target = torch.frombuffer(mapped, dtype=torch.uint8)
-                    # past the deadline the op stays pending: the mapping with it
-                    _recv(target, peer, group, timeout, mapped)
-                    received = i + 1
-                    del target   # the mapping closes only once no tensor uses it
-                    mapped.close()
-            finally:
-                os.close(fd)
-        for temp, final in sorted(temps, key=lambda tf: tf[1].endswith(".meta")):
-            os.replace(temp, final)
-    except BaseException as e:
-        for temp, _ in temps:
-            try:
-                os.unlink(temp)
-            except FileNotFoundError:
-                pass
-        if isinstance(e, OSError) and not isinstance(e, TimeoutError):
-            for n in sizes[received:]:   # the origin still sends the rest: taken, in step
-                if n:
-                    _recv(torch.empty(n, dtype=torch.uint8), peer, group, timeout)
-        raise
-
-
 class Replicator:
     """This rank's replication thread (see the module docstring)."""
 
@@ -316,6 +173,7 @@ class Replicator:
         self._reported: set[int] = set()
         self._tally: dict[int, set[int] | None] = {}   # step -> ranks whose round placed all
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
+        self.pipe = Pipe()   # the replication thread's transfer buffers
         self.thread: threading.Thread | None = None
 
     @property
@@ -347,7 +205,9 @@ class Replicator:
         self.queue.put(None)
         if self.thread is not None:
             self.thread.join(timeout)
-            return not self.thread.is_alive()
+            if self.thread.is_alive():
+                return False
+        self.pipe.close()
         return True
 
     def close(self, timeout: float | None, ended: bool) -> list[Any]:
@@ -423,9 +283,8 @@ class Replicator:
                         continue
                     try:   # whole files, each one tensor over the file's pages
                         sent += send_files(checkpoint_names(source), h, self.group,
-                                           timeout=self.timeout)
-                        answer = unpack_value(bytes(_recv_bytes(h, self.group,
-                                                                self.timeout).tolist()))
+                                           timeout=self.timeout, pipe=self.pipe)
+                        answer = unpack_value(_recv_bytes(h, self.group, self.timeout))
                     except Exception as e:
                         answer = f"the transfer failed: {self._lose(h, step, e)}"
                     if answer is not None:
@@ -502,7 +361,7 @@ class Replicator:
             return why
         try:
             recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare,
-                           self.timeout)
+                           self.timeout, self.pipe)
         except TimeoutError:
             raise   # the link is lost
         except (OSError, SnapsvcError) as e:
