@@ -345,12 +345,13 @@ def test_world6_one_node_then_two(tmp_path):
 
 
 def scenario_spares(rank, world, tmp):
+    import time
     import snapsvc
     from snapsvc.distributed.replicas import held_by
     from snapsvc.distributed.replicas.send import verified
     os.environ["SNAPSVC_NODE"] = "AB"[rank]
     d = os.path.join(tmp, "ckpt")
-    out: dict = {"ok": [], "inodes": [], "sizes": []}
+    out: dict = {"ok": [], "inodes": [], "sizes": [], "spares": []}
     with snapsvc.DistributedSnapshotWriter(d, replicas=1, keep_in_memory=1,
                                            coord_timeout=30) as w:
         for step in range(1, 5):   # sizes change: a spare larger or smaller than the next
@@ -363,6 +364,11 @@ def scenario_spares(rank, world, tmp):
             out["ok"].append(verified(ram, f"step {step}"))
             out["sizes"].append(os.path.getsize(ram))
             out["inodes"].append(os.stat(ram).st_ino)
+            deadline = time.monotonic() + 10   # the spare is reserved once the handle settled
+            while time.monotonic() < deadline and not any(
+                    os.path.getsize(p) >= out["sizes"][-1] for p in w._replicator.keeper.spares()):
+                time.sleep(0.02)
+            out["spares"].append(sorted(map(os.path.getsize, w._replicator.keeper.spares())))
         out["copies"] = {s: len(w._replicator.keeper.copies(s)) for s in range(1, 5)}
         if rank == 0:   # snapsvc ls: where each rank's file is held
             import contextlib
@@ -382,8 +388,9 @@ def scenario_spares(rank, world, tmp):
 @pytest.mark.timeout(120)
 def test_replicas_received_into_spare_pages(tmp_path):
     """keep_in_memory=1: once a step is agreed complete (at the next step's exchange),
-    the replicas before it go; a dropped replica's file is kept as a spare and the
-    next replica is received into its pages (shrunk or grown to the new size),
+    the replicas before it go; a dropped replica's file is kept as a spare, and after
+    each round a spare is reserved for the next; replicas are received into spares'
+    pages (shrunk or grown to the new size),
     checked against its CRC-32s; a clean close leaves nothing in /dev/shm (run_world
     checks). `snapsvc ls` shows per step where each rank's file is held."""
     codes, results = run_world(tmp_path, 2, scenario_spares, run_s=110)
@@ -391,10 +398,12 @@ def test_replicas_received_into_spare_pages(tmp_path):
     for r in results:
         assert r["ok"] == [True] * 4
         assert r["sizes"][0] > r["sizes"][2] > r["sizes"][1] and r["sizes"][3] > r["sizes"][0]
-        # step 1's file (dropped at step 3's exchange) was a spare taken for step 3,
-        # shrunk; step 2's for step 4, grown
+        # after each round, a spare of the size just received is reserved for the next
+        # (step 2's replica went into step 1's, shrunk); step 1's file, dropped at step
+        # 3's exchange, was a spare taken for step 3, shrunk; step 4 grew the largest
+        assert r["spares"][0] == r["sizes"][:1] and r["spares"][1] == r["sizes"][1:2], r
         ino = r["inodes"]
-        assert ino[2] == ino[0] and ino[3] == ino[1] and ino[0] != ino[1], r
+        assert ino[2] == ino[0] and len(set(ino)) == 3, r
         assert r["copies"] == {"1": 0, "2": 0, "3": 2, "4": 2}
     assert results[0]["shards"] == {
         "step_4": [["own RAM", "replica RAM (rank 1)"], ["own RAM", "replica RAM (rank 0)"]],

@@ -40,6 +40,7 @@ on it again, so nothing waits longer than one group timeout.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import queue
@@ -52,7 +53,7 @@ from typing import Any, Collection, Sequence
 
 from ...errors import SnapsvcError
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import drop, held, ram_path
+from ...files.ramtier import drop, held, ram_path, size_of
 from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
@@ -67,6 +68,7 @@ log = logging.getLogger("snapsvc")
 NODE_ENV = "SNAPSVC_NODE"
 REPLICA_DIR = ".replicas"
 _RANK_NAME = re.compile(r"rank(\d+)\.fdl(\.gz)?$")
+_ready = itertools.count()   # names of spares reserved ahead
 
 
 def node_id() -> str:
@@ -174,6 +176,7 @@ class Replicator:
         self._tally: dict[int, set[int] | None] = {}   # step -> ranks whose round placed all
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
         self.pipe = Pipe()   # the replication thread's transfer buffers
+        self._sizes: list[int] = []   # the file sizes received this round
         self.thread: threading.Thread | None = None
 
     @property
@@ -234,6 +237,7 @@ class Replicator:
                 self._agree(tables)
                 if handle is not None:
                     self._one(handle)
+                    self._prepare()   # the handle is settled: nobody waits on this
             except Exception as e:   # a bug: a peer's failure is caught per pair
                 log.exception("snapsvc: replicating on rank %d failed", self.rank)
                 if handle is not None:
@@ -366,7 +370,48 @@ class Replicator:
             raise   # the link is lost
         except (OSError, SnapsvcError) as e:
             return _reason(e)
+        self._sizes += header["sizes"]
         return None
+
+    def _prepare(self) -> None:
+        """Spare pages for the next round, reserved now, off the transfer's path: a
+        file received into fresh tmpfs pages pays their allocation and zeroing, about
+        twice the copy. A spare for each file this round received that no spare fits,
+        within the keeper's count of spares and ``memory_limit`` (which drops spares
+        before any copy)."""
+        from .keep import _MIN_SPARE, SPARES
+        sizes = sorted((n for n in self._sizes if n >= _MIN_SPARE), reverse=True)
+        self._sizes = []
+        have = sorted(os.path.getsize(p) for p in self.keeper.spares())
+        need = []
+        for n in sizes:
+            fit = [s for s in have if s >= n]
+            if fit:
+                have.remove(fit[0])
+            else:
+                need.append(n)
+        limit = self.keeper.memory_limit
+        used = None if limit is None else sum(
+            size_of(c) for n in self.keeper._steps() for c in self.keeper.copies(n))
+        spares = self.keeper.spares()
+        for n in need[:max(0, SPARES - len(spares))]:
+            total = None if used is None else used + sum(map(os.path.getsize, spares)) + n
+            if limit is not None and total is not None and total > limit:
+                return
+            folder = self.keeper._spare_folder(create=True)
+            if folder is None:
+                return
+            path = os.path.join(folder, f"ready{os.getpid()}-{next(_ready)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, n)
+            except OSError as e:   # a full tmpfs: the next replica's receive finds out
+                os.unlink(path)
+                log.debug("snapsvc: no spare of %d bytes: %s", n, e)
+                return
+            finally:
+                os.close(fd)
+            spares.append(path)
 
     def _place(self, header: dict[str, Any], step: int) -> tuple[str | None, str | None]:
         """The RAM folder for the replica ``header`` announces, or (None, why not)."""
