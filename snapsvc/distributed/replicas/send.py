@@ -177,6 +177,7 @@ class Replicator:
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
         self.pipe = Pipe()   # the replication thread's transfer buffers
         self._sizes: list[int] = []   # the file sizes received this round
+        self._spare_thread: threading.Thread | None = None
         self.thread: threading.Thread | None = None
 
     @property
@@ -210,6 +211,10 @@ class Replicator:
             self.thread.join(timeout)
             if self.thread.is_alive():
                 return False
+        if self._spare_thread is not None:   # before a close drops the spares
+            self._spare_thread.join(timeout)
+            if self._spare_thread.is_alive():
+                return False
         self.pipe.close()
         return True
 
@@ -233,11 +238,13 @@ class Replicator:
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
             handle, tables = job
+            if self._spare_thread is not None:
+                self._spare_thread.join()   # a fallocate: bounded
             try:
                 self._agree(tables)
                 if handle is not None:
                     self._one(handle)
-                    self._prepare()   # the handle is settled: nobody waits on this
+                    self._spare_later()
             except Exception as e:   # a bug: a peer's failure is caught per pair
                 log.exception("snapsvc: replicating on rank %d failed", self.rank)
                 if handle is not None:
@@ -372,6 +379,23 @@ class Replicator:
             return _reason(e)
         self._sizes += header["sizes"]
         return None
+
+    def _spare_later(self) -> None:
+        """:meth:`_prepare` on a thread of low priority (on Linux, a thread's own
+        nice value), so that reserving pages takes no CPU from training; the next
+        round waits for it before it touches the spares."""
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):   # not Linux, or not allowed: as it is
+                pass
+            try:
+                self._prepare()
+            except Exception as e:   # a spare is an optimisation: never a failure
+                log.debug("snapsvc: reserving spare pages failed: %s", _reason(e))
+
+        self._spare_thread = threading.Thread(target=run, name="snapsvc-spares", daemon=True)
+        self._spare_thread.start()
 
     def _prepare(self) -> None:
         """Spare pages for the next round, reserved now, off the transfer's path: a
