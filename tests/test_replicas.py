@@ -473,3 +473,50 @@ def test_lost_holder_is_survivable(tmp_path):
     assert "from the next step on it goes to rank(s) [2] (node(s) ['C'])" in log_a
     assert "lost its replication link with rank 1 (node B)" in results[2]["log"]
     assert max(results[0]["wait_s"].values()) < 12   # the group timeout (6 s) bounds the wait
+
+
+def scenario_holder_write_fails(rank, world, tmp):
+    import resource
+    import signal as sig
+    import snapsvc
+    from snapsvc.distributed.replicas import held_by, replica_file
+    from snapsvc.files.ramtier import ram_path
+    os.environ["SNAPSVC_NODE"] = "AB"[rank]
+    d = os.path.join(tmp, "ckpt")
+    out: dict = {"replicated": {}}
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, coord_timeout=30) as w:
+        if rank == 1:   # the holder's files may not grow past 1 MiB: a write fails (EFBIG)
+            sig.signal(sig.SIGXFSZ, sig.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        for step in (1, 2):
+            n = (20 << 20) // 4 if rank == 0 else 16   # rank 0's file: 20 MiB, 3 chunks
+            h = w.submit({"w": torch.full((n,), float(step))}, step, persist=False)
+            h.result(30)
+            try:
+                out["replicated"][step] = h.replicated(timeout=30)
+            except snapsvc.SnapsvcError as e:
+                out["replicated"][step] = f"SnapsvcError: {e}"
+        folder = os.path.dirname(ram_path(replica_file(d, 1, rank, "x")) or "")
+        out["left"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        out["held"] = {s: sorted(held_by(d, s, rank, world)) for s in (1, 2)}
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_holder_write_failure_keeps_the_exchange_in_step(tmp_path):
+    """World 2 as 2 nodes. The holder (rank 1) cannot write rank 0's 20 MiB replica
+    (its files may not pass 1 MiB: EFBIG in the first of its 3 chunks): it still
+    takes the rest of the bytes, leaves no temp file, and answers why; rank 0's
+    replicated() names rank 1 (node B) and the error. Rank 1's own replica, sent next on
+    the same group, arrives whole; step 2 runs in step (rank 0 has no other node left)."""
+    codes, results = run_world(tmp_path, 2, scenario_holder_write_fails, run_s=110)
+    assert codes == [0, 0]
+    a, b = results[0]["replicated"], results[1]["replicated"]
+    assert a["1"].startswith("SnapsvcError") and "rank 1 (node B)" in a["1"], a["1"]
+    assert "File too large" in a["1"], a["1"]
+    assert b["1"] == [0] and b["2"] == [0]
+    assert "only 0 of 1 replica(s) placed" in a["2"], a["2"]
+    assert results[1]["left"] == [] and results[1]["held"] == {"1": [], "2": []}
+    assert results[0]["held"] == {"1": [1], "2": [1]}

@@ -175,8 +175,7 @@ class DistributedSnapshotWriter:
             self._upload_group, self._uploads = _start_uploads(
                 self, process_group, remote_timeout, remote_options, remote_keep_last)
         self._replicator = replicator = None if keeper is None else Replicator(
-            # each transfer has its own deadline (coord_timeout): gloo's, which would close
-            # every pair of the group on a timeout, must never come first
+            # transfers' own deadlines come first: a gloo timeout closes all of a rank's links
             self.directory, _new_group(process_group, 10 * self.coord_timeout), self.rank,
             self.world_size, self.replicas, node_id(), self.coord_timeout, keeper)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,

@@ -40,7 +40,6 @@ on it again, so nothing waits longer than one group timeout.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import os
 import queue
@@ -53,7 +52,7 @@ from typing import Any, Collection, Sequence
 
 from ...errors import SnapsvcError
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import drop, held, ram_path, size_of
+from ...files.ramtier import drop, held, ram_path
 from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
@@ -68,7 +67,6 @@ log = logging.getLogger("snapsvc")
 NODE_ENV = "SNAPSVC_NODE"
 REPLICA_DIR = ".replicas"
 _RANK_NAME = re.compile(r"rank(\d+)\.fdl(\.gz)?$")
-_ready = itertools.count()   # names of spares reserved ahead
 
 
 def node_id() -> str:
@@ -381,61 +379,23 @@ class Replicator:
         return None
 
     def _spare_later(self) -> None:
-        """:meth:`_prepare` on a thread of low priority (on Linux, a thread's own
-        nice value), so that reserving pages takes no CPU from training; the next
-        round waits for it before it touches the spares."""
+        """``keeper.reserve`` for this round's files, on a thread of low
+        priority (on Linux, a thread's own nice value), so that reserving pages takes
+        no CPU from training; the next round, and a close, wait for it."""
+        sizes, self._sizes = self._sizes, []
+
         def run() -> None:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             except (AttributeError, OSError):   # not Linux, or not allowed: as it is
                 pass
             try:
-                self._prepare()
+                self.keeper.reserve(sizes)
             except Exception as e:   # a spare is an optimisation: never a failure
                 log.debug("snapsvc: reserving spare pages failed: %s", _reason(e))
 
         self._spare_thread = threading.Thread(target=run, name="snapsvc-spares", daemon=True)
         self._spare_thread.start()
-
-    def _prepare(self) -> None:
-        """Spare pages for the next round, reserved now, off the transfer's path: a
-        file received into fresh tmpfs pages pays their allocation and zeroing, about
-        twice the copy. A spare for each file this round received that no spare fits,
-        within the keeper's count of spares and ``memory_limit`` (which drops spares
-        before any copy)."""
-        from .keep import _MIN_SPARE, SPARES
-        sizes = sorted((n for n in self._sizes if n >= _MIN_SPARE), reverse=True)
-        self._sizes = []
-        have = sorted(os.path.getsize(p) for p in self.keeper.spares())
-        need = []
-        for n in sizes:
-            fit = [s for s in have if s >= n]
-            if fit:
-                have.remove(fit[0])
-            else:
-                need.append(n)
-        limit = self.keeper.memory_limit
-        used = None if limit is None else sum(
-            size_of(c) for n in self.keeper._steps() for c in self.keeper.copies(n))
-        spares = self.keeper.spares()
-        for n in need[:max(0, SPARES - len(spares))]:
-            total = None if used is None else used + sum(map(os.path.getsize, spares)) + n
-            if limit is not None and total is not None and total > limit:
-                return
-            folder = self.keeper._spare_folder(create=True)
-            if folder is None:
-                return
-            path = os.path.join(folder, f"ready{os.getpid()}-{next(_ready)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, n)
-            except OSError as e:   # a full tmpfs: the next replica's receive finds out
-                os.unlink(path)
-                log.debug("snapsvc: no spare of %d bytes: %s", n, e)
-                return
-            finally:
-                os.close(fd)
-            spares.append(path)
 
     def _place(self, header: dict[str, Any], step: int) -> tuple[str | None, str | None]:
         """The RAM folder for the replica ``header`` announces, or (None, why not)."""
