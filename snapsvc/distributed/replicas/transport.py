@@ -87,13 +87,14 @@ def _recv_bytes(peer: int, group: Any, timeout: float | None = None) -> bytes:
 class Pipe:
     """Two chunk buffers, touched once and reused, and a thread for the file side."""
 
-    def __init__(self) -> None:
-        self.bufs = [torch.ones(CHUNK, dtype=torch.uint8) for _ in range(2)]
+    def __init__(self, size: int = CHUNK) -> None:
+        self.size = max(1, min(size, CHUNK))   # files up to ``size`` need no more
+        self.bufs = [torch.ones(self.size, dtype=torch.uint8) for _ in range(2)]
         self.io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapsvc-pipe")
 
     def renew(self) -> None:
         """After a failed transfer: gloo may still write the old buffers."""
-        self.bufs = [torch.ones(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        self.bufs = [torch.ones(self.size, dtype=torch.uint8) for _ in range(2)]
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
@@ -169,7 +170,7 @@ def send_files(paths: list[str], peer: int, group: Any, error: str | None = None
         sizes = [os.fstat(fd).st_size for fd in fds]   # the sizes of what is read
         _send_bytes(pack_value({"names": [os.path.basename(p) for p in present],
                                 "sizes": sizes, "error": error}), peer, group, timeout)
-        with _pipe(pipe) as p:
+        with _pipe(pipe, max(sizes, default=0)) as p:
             for fd, n in zip(fds, sizes):
                 if n:
                     p.send(fd, n, peer, group, timeout)
@@ -208,7 +209,7 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
     sizes = header["sizes"]
     received = 0   # the files whose bytes came
     try:
-        with _pipe(pipe) as p:
+        with _pipe(pipe, max(sizes, default=0)) as p:
             for i, (name, n) in enumerate(zip(header["names"], sizes)):
                 final = os.path.join(folder, name)
                 temp = f"{final}.{os.getpid()}.tmp"
@@ -240,9 +241,10 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
 
 
 @contextlib.contextmanager
-def _pipe(given: Pipe | None) -> Iterator[Pipe]:
-    """``given``, renewed after a failure; else a pipe made (and closed) for this call."""
-    pipe = given or Pipe()
+def _pipe(given: Pipe | None, largest: int) -> Iterator[Pipe]:
+    """``given``, renewed after a failure; else a pipe made (and closed) for this call,
+    its buffers no larger than the ``largest`` file needs."""
+    pipe = given or Pipe(largest)
     try:
         yield pipe
     except BaseException:
