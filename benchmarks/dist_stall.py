@@ -46,7 +46,9 @@ previous one.
   for ``handle.replicated()``. Beside the table, the replication pass's
   throughput (every rank's file to its peer, over the writer's gloo group,
   from ``stats()``, the median of the timed reps) against a raw gloo send of the same bytes in the same
-  pattern (a size message then the payload, rank by rank round the ring). Older checkpoints are deleted between reps (untimed).
+  pattern (a size message then the payload, rank by rank round the ring), measured right
+  after each pass so that both see the same load; and the stall ratio with and without
+  replicas. Older checkpoints are deleted between reps (untimed).
 """
 
 from __future__ import annotations
@@ -265,6 +267,7 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
             rec = {m.name: {"stall_s": [], "durable_s": [], "raw_s": []} for m in methods}
             raw = RawCopy()
             passes: list[float] = []           # replication passes of the timed reps
+            raws: list[float] = []             # a raw gloo ring of the same bytes, after each
             for rep in range(reps + 1):        # rep 0: warm-up, not recorded
                 for m in methods:
                     _touch(model, opt)
@@ -276,6 +279,7 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                     dist.barrier()
                     replicating = isinstance(m, Snapsvc) and m.w.replicas
                     before = m.w.stats()["replica_s"] if replicating else 0.0
+                    sent = m.w.stats()["replica_bytes"] if replicating else 0
                     t0 = time.perf_counter()
                     m.save(model, opt)
                     stall = time.perf_counter() - t0
@@ -285,8 +289,10 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                         rec[m.name]["stall_s"].append(stall)
                         rec[m.name]["durable_s"].append(durable)
                         rec[m.name]["raw_s"].append(raw.times[-1])
-                        if replicating:
+                        if replicating:   # the raw ring right after, in the same conditions
                             passes.append(m.w.stats()["replica_s"] - before)
+                            raws.append(raw_ring(m.w.stats()["replica_bytes"] - sent, rank,
+                                                 world))
                     dist.barrier()             # every rank done before rank 0 prunes
                     m.prune(rank)
             replication = {}
@@ -295,8 +301,8 @@ def rank_main(rank: int, world: int, init: str, base: str, specs: list[str], rep
                     st = m.w.stats()
                     per = st["replica_bytes"] // max(1, st["replicated"])
                     replication = {"bytes": per, "pass_s": statistics.median(passes),
-                                   "raw_s": statistics.median(raw_ring(per, rank, world)
-                                                              for _ in range(5))}
+                                   "raw_s": statistics.median(raws),
+                                   "ratios": [a / b for a, b in zip(passes, raws)]}
             for m in methods:
                 m.close()
             _stop_dcp_process()                # the next model gets a fresh one
@@ -345,7 +351,16 @@ def table(results: list[dict], specs: list[str], world: int, reps: int) -> str:
                              f"{rep['pass_s'] * 1e3:.0f} ms ({mib / rep['pass_s']:.0f} MiB/s), "
                              f"raw gloo send of the same bytes {rep['raw_s'] * 1e3:.0f} ms "
                              f"({mib / rep['raw_s']:.0f} MiB/s): "
-                             f"{rep['pass_s'] / rep['raw_s']:.2f}x")
+                             f"{rep['pass_s'] / rep['raw_s']:.2f}x; per rep (pass/raw right "
+                             f"after it): {', '.join(f'{x:.2f}x' for x in rep['ratios'])}, "
+                             f"median {statistics.median(rep['ratios']):.2f}x")
+        names = [k for k in results[0]["models"][spec] if k.startswith("snapsvc")]
+        if "snapsvc" in names and "snapsvc+r1" in names:
+            ratio = [statistics.median(res["models"][spec]["snapsvc+r1"]["stall_s"]) /
+                     statistics.median(res["models"][spec]["snapsvc"]["stall_s"])
+                     for res in results]
+            lines.append(f"\n{spec}: stall p50 with replicas=1 / without, per rank: "
+                         f"{', '.join(f'{x:.2f}x' for x in ratio)}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ step, not the newest persisted one.
 
 Run: python benchmarks/restart.py --quick [--out FILE]      (64 MiB)
      python benchmarks/restart.py --mib 64 512 [--out FILE]
+     python benchmarks/restart.py --world 4 --nodes 2 [--mib 16]   (a lost node: restart_nodes.py)
 """
 
 from __future__ import annotations
@@ -266,6 +267,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--quick", action="store_true", help="64 MiB only")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--world", type=int, default=None,
+                    help="ranks: a lost node, from a peer's RAM and remote (restart_nodes.py)")
+    ap.add_argument("--nodes", type=int, default=2, help="simulated nodes, with --world")
     args = ap.parse_args()
     sizes = [64] if args.quick else args.mib
     from remote import _start_moto   # benchmarks/remote.py's moto on loopback
@@ -280,9 +284,15 @@ def main() -> None:
     try:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
         with tempfile.TemporaryDirectory(dir=os.getcwd()) as base:
+            if args.world:   # --mib's first size, 16 unless given
+                from restart_nodes import run
+                mib = 16 if args.mib == ap.get_default("mib") else args.mib[0]
+                lines += run(args.world, args.nodes, mib, "s3://bench/nodes", base)
+                sizes = []
             for mib in sizes:
                 lines += run_size(mib, "s3://bench/run", base)
-            lines += small_runs(base)
+            if not args.world:
+                lines += small_runs(base)
     finally:
         server.kill()
         server.wait(30)

@@ -192,7 +192,7 @@ def scenario_pass_over(rank, world, tmp):
     w = snapsvc.DistributedSnapshotWriter(d, replicas=1, coord_timeout=30, **limit)
     out: dict = {"replicated": {}, "after": {}}
     with w:
-        for step in range(1, 8):
+        for step in range(1, 9):
             n = (256 if step != 5 else 1024) * KIB // 4 if rank == 0 else 16
             h = w.submit({"w": torch.full((n,), float(step))}, step, persist=False)
             h.result(30)
@@ -216,13 +216,14 @@ def test_holder_without_room_is_passed_over(tmp_path):
     step 5 rank 0's replica no longer fits beside the newest complete step (4), which
     is never dropped: step 5's replicated() names rank 1 and the limit, and from step
     6 on rank 0's replica goes to node C, with one warning. Steps leave RAM only once
-    two newer steps are complete (keep_in_memory=2), on every rank."""
+    two newer steps are complete (keep_in_memory=2), on every rank; a step's
+    completeness is agreed in the next step's commit exchange."""
     codes, results = run_world(tmp_path, 4, scenario_pass_over, run_s=110)
     assert codes == [0] * 4
     r0 = results[0]["replicated"]
     assert [r0[str(s)] for s in (1, 2, 3, 4)] == [[1]] * 4
     assert "rank 1 (node B)" in r0["5"] and "memory_limit=655360" in r0["5"]
-    assert r0["6"] == [2] and r0["7"] == [2]
+    assert r0["6"] == [2] and r0["7"] == [2] and r0["8"] == [2]
     assert [results[r]["replicated"]["7"] for r in (1, 2, 3)] == [[2], [3], [0]]
     assert results[0]["log"].count("could not hold rank 0's replica") == 1
     held1 = results[1]["after"]
@@ -231,10 +232,15 @@ def test_holder_without_room_is_passed_over(tmp_path):
     assert held1["3"]["1"][1] == [] and held1["3"]["2"][1] == [0] and held1["3"]["3"][1] == [0]
     assert "drops its RAM copies of step 1" in results[1]["log"]
     assert held1["5"]["4"][1] == [0] and held1["5"]["5"][1] == []
-    for r in range(4):   # after step 7: steps 6 and 7 only, own copies and replicas
-        last = results[r]["after"]["7"]
-        assert [s for s, (own, reps) in last.items() if own or reps] == ["6", "7"], (r, last)
-        assert all(last[s][0] for s in ("6", "7"))
+    for r in range(4):
+        # after step 7: 4 and 6 are the newest complete (5 is not: its replica was
+        # refused), 7's completeness comes with step 8's exchange
+        kept = results[r]["after"]["7"]
+        assert [s for s, (own, reps) in kept.items() if own or reps] == ["4", "5", "6", "7"]
+        # after step 8: steps 6 and 7 (complete) and 8, own copies and replicas
+        last = results[r]["after"]["8"]
+        assert [s for s, (own, reps) in last.items() if own or reps] == ["6", "7", "8"], (r, last)
+        assert all(last[s][0] for s in ("6", "7", "8"))
     assert results[2]["after"]["7"]["7"][1] == [0, 1]   # node C holds A's and B's now
 
 
@@ -339,16 +345,17 @@ def test_world6_one_node_then_two(tmp_path):
 
 
 def scenario_spares(rank, world, tmp):
+    import time
     import snapsvc
     from snapsvc.distributed.replicas import held_by
     from snapsvc.distributed.replicas.send import verified
     os.environ["SNAPSVC_NODE"] = "AB"[rank]
     d = os.path.join(tmp, "ckpt")
-    out: dict = {"ok": [], "spares": [], "sizes": []}
+    out: dict = {"ok": [], "inodes": [], "sizes": [], "spares": []}
     with snapsvc.DistributedSnapshotWriter(d, replicas=1, keep_in_memory=1,
                                            coord_timeout=30) as w:
         for step in range(1, 5):   # sizes change: a spare larger or smaller than the next
-            n = (1 << 18) * (1 + step % 2) // 4
+            n = {1: 512, 2: 256, 3: 384, 4: 640}[step] * 256
             h = w.submit({"w": torch.arange(n, dtype=torch.float32) * step}, step,
                          persist=False)
             h.result(30)
@@ -356,7 +363,12 @@ def scenario_spares(rank, world, tmp):
             ram = held_by(d, step, rank, world)[1 - rank]
             out["ok"].append(verified(ram, f"step {step}"))
             out["sizes"].append(os.path.getsize(ram))
-            out["spares"].append(len(w._replicator.keeper.spares()))
+            out["inodes"].append(os.stat(ram).st_ino)
+            deadline = time.monotonic() + 10   # the spare is reserved once the handle settled
+            while time.monotonic() < deadline and not any(
+                    os.path.getsize(p) >= out["sizes"][-1] for p in w._replicator.keeper.spares()):
+                time.sleep(0.02)
+            out["spares"].append(sorted(map(os.path.getsize, w._replicator.keeper.spares())))
         out["copies"] = {s: len(w._replicator.keeper.copies(s)) for s in range(1, 5)}
         if rank == 0:   # snapsvc ls: where each rank's file is held
             import contextlib
@@ -375,22 +387,136 @@ def scenario_spares(rank, world, tmp):
 
 @pytest.mark.timeout(120)
 def test_replicas_received_into_spare_pages(tmp_path):
-    """keep_in_memory=1: each step's replica replaces the one before; the dropped
-    replica's file is kept as a spare and the next replica is received into its pages
-    (grown or shrunk to the new size), checked against its CRC-32s; a clean close
-    leaves nothing in /dev/shm (run_world checks). `snapsvc ls` shows per step where
-    each rank's file is held."""
+    """keep_in_memory=1: once a step is agreed complete (at the next step's exchange),
+    the replicas before it go; a dropped replica's file is kept as a spare, and after
+    each round a spare is reserved for the next; replicas are received into spares'
+    pages (shrunk or grown to the new size),
+    checked against its CRC-32s; a clean close leaves nothing in /dev/shm (run_world
+    checks). `snapsvc ls` shows per step where each rank's file is held."""
     codes, results = run_world(tmp_path, 2, scenario_spares, run_s=110)
     assert codes == [0, 0]
     for r in results:
         assert r["ok"] == [True] * 4
-        assert r["sizes"][0] > r["sizes"][1] < r["sizes"][2] > r["sizes"][3]
-        # the step before went to the spares, and was taken for the next one
-        assert r["spares"] == [0, 1, 1, 1], r
-        assert r["copies"] == {"1": 0, "2": 0, "3": 0, "4": 2}
+        assert r["sizes"][0] > r["sizes"][2] > r["sizes"][1] and r["sizes"][3] > r["sizes"][0]
+        # after each round, a spare of the size just received is reserved for the next
+        # (step 2's replica went into step 1's, shrunk); step 1's file, dropped at step
+        # 3's exchange, was a spare taken for step 3, shrunk; step 4 grew the largest
+        assert r["spares"][0] == r["sizes"][:1] and r["spares"][1] == r["sizes"][1:2], r
+        ino = r["inodes"]
+        assert ino[2] == ino[0] and len(set(ino)) == 3, r
+        assert r["copies"] == {"1": 0, "2": 0, "3": 2, "4": 2}
     assert results[0]["shards"] == {
         "step_4": [["own RAM", "replica RAM (rank 1)"], ["own RAM", "replica RAM (rank 0)"]],
-        **{f"step_{n}": [[], []] for n in (3, 2, 1)}}
+        "step_3": [["own RAM", "replica RAM (rank 1)"], ["own RAM", "replica RAM (rank 0)"]],
+        **{f"step_{n}": [[], []] for n in (2, 1)}}
     text = results[0][os.path.join(str(tmp_path), "ckpt")].splitlines()
-    for line in ("step_4 0 own RAM, replica RAM (rank 1)", "step_3 1 nowhere: lost"):
+    for line in ("step_4 0 own RAM, replica RAM (rank 1)", "step_2 1 nowhere: lost"):
         assert line.split() in [t.split() for t in text], text
+
+
+# -- a holder whose replication is gone: the others go on, re-replicating elsewhere --------
+THREE_NODES = {0: "A", 1: "B", 2: "C"}   # ring A -> B -> C -> A
+
+
+def scenario_holder_gone(rank, world, tmp):
+    import snapsvc
+    from snapsvc.distributed.replicas import held_by
+    from snapsvc.distributed.replicas.send import verified
+    os.environ["SNAPSVC_NODE"] = THREE_NODES[rank]
+    logging.basicConfig(level=logging.WARNING, filename=os.path.join(tmp, f"log{rank}.txt"))
+    d = os.path.join(tmp, "ckpt")
+    out: dict = {"replicated": {}, "committed": [], "wait_s": {}}
+    import time
+    # coord_timeout also bounds each transfer (the replication group's timeout)
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, coord_timeout=6) as w:
+        for step in range(1, 5):
+            if step == 2 and rank == 1:   # node B's replica holder is gone (its trainer lives)
+                w._replicator.stop(10)
+            h = w.submit({"w": torch.full((4096,), float(step + rank))}, step, persist=False)
+            out["committed"].append(h.result(30).step)   # training and commits go on
+            t0 = time.monotonic()
+            try:
+                out["replicated"][step] = h.replicated(timeout=3 if rank == 1 else 20)
+            except TimeoutError as e:
+                out["replicated"][step] = f"TimeoutError: {e}"
+            except snapsvc.SnapsvcError as e:
+                out["replicated"][step] = f"SnapsvcError: {e}"
+            out["wait_s"][step] = time.monotonic() - t0
+            torch.distributed.barrier()   # the training's own collectives go on too
+        out["held4"] = {o: verified(ram, f"{o}") for o, ram in held_by(d, 4, rank, world).items()}
+    with open(os.path.join(tmp, f"log{rank}.txt")) as f:
+        out["log"] = f.read()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_lost_holder_is_survivable(tmp_path):
+    """World 3 as 3 nodes, replicas=1 (A -> B -> C -> A). From step 2, node B's replica
+    holder is gone while its trainer still trains and commits. Every step still
+    commits on every rank and nothing waits past the group timeout: A's step 2
+    replicated() raises naming rank 1 (node B); B's own times out; A warns once, and
+    from step 3 A's replica goes to node C (rank 2), which holds it checked. C's copy
+    on A goes on throughout."""
+    codes, results = run_world(tmp_path, 3, scenario_holder_gone, run_s=110)
+    assert codes == [0] * 3
+    assert all(r["committed"] == [1, 2, 3, 4] for r in results)
+    a, b, c = (r["replicated"] for r in results)
+    assert a["1"] == [1] and b["1"] == [2] and c["1"] == [0]
+    assert a["2"].startswith("SnapsvcError") and "rank 1 (node B)" in a["2"], a["2"]
+    assert a["3"] == [2] and a["4"] == [2]
+    assert all(b[s].startswith("TimeoutError") for s in "234"), b
+    assert [c[s] for s in "234"] == [[0]] * 3
+    assert results[2]["held4"] == {"0": True}   # A's replica, now on C, CRC-checked
+    assert results[0]["held4"] == {"2": True}
+    log_a = results[0]["log"]
+    assert log_a.count("could not hold rank 0's replica") == 1
+    assert "from the next step on it goes to rank(s) [2] (node(s) ['C'])" in log_a
+    assert "lost its replication link with rank 1 (node B)" in results[2]["log"]
+    assert max(results[0]["wait_s"].values()) < 12   # the group timeout (6 s) bounds the wait
+
+
+def scenario_holder_write_fails(rank, world, tmp):
+    import resource
+    import signal as sig
+    import snapsvc
+    from snapsvc.distributed.replicas import held_by, replica_file
+    from snapsvc.files.ramtier import ram_path
+    os.environ["SNAPSVC_NODE"] = "AB"[rank]
+    d = os.path.join(tmp, "ckpt")
+    out: dict = {"replicated": {}}
+    with snapsvc.DistributedSnapshotWriter(d, replicas=1, coord_timeout=30) as w:
+        if rank == 1:   # the holder's files may not grow past 1 MiB: a write fails (EFBIG)
+            sig.signal(sig.SIGXFSZ, sig.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        for step in (1, 2):
+            n = (20 << 20) // 4 if rank == 0 else 16   # rank 0's file: 20 MiB, 3 chunks
+            h = w.submit({"w": torch.full((n,), float(step))}, step, persist=False)
+            h.result(30)
+            try:
+                out["replicated"][step] = h.replicated(timeout=30)
+            except snapsvc.SnapsvcError as e:
+                out["replicated"][step] = f"SnapsvcError: {e}"
+        folder = os.path.dirname(ram_path(replica_file(d, 1, rank, "x")) or "")
+        out["left"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        out["held"] = {s: sorted(held_by(d, s, rank, world)) for s in (1, 2)}
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_holder_write_failure_keeps_the_exchange_in_step(tmp_path):
+    """World 2 as 2 nodes. The holder (rank 1) cannot write rank 0's 20 MiB replica
+    (its files may not pass 1 MiB: EFBIG in the first of its 3 chunks): it still
+    takes the rest of the bytes, leaves no temp file, and answers why; rank 0's
+    replicated() names rank 1 (node B) and the error. Rank 1's own replica, sent next on
+    the same group, arrives whole; step 2 runs in step (rank 0 has no other node left)."""
+    codes, results = run_world(tmp_path, 2, scenario_holder_write_fails, run_s=110)
+    assert codes == [0, 0]
+    a, b = results[0]["replicated"], results[1]["replicated"]
+    assert a["1"].startswith("SnapsvcError") and "rank 1 (node B)" in a["1"], a["1"]
+    assert "File too large" in a["1"], a["1"]
+    assert b["1"] == [0] and b["2"] == [0]
+    assert "only 0 of 1 replica(s) placed" in a["2"], a["2"]
+    assert results[1]["left"] == [] and results[1]["held"] == {"1": [], "2": []}
+    assert results[0]["held"] == {"1": [1], "2": [1]}

@@ -10,6 +10,8 @@
     broadcast (committed, error) from rank 0                 [coord group]
     resolve the handle: a report, or DistributedCheckpointError naming the ranks
     (with a remote tier: hand the committed step to :mod:`.uploads`)
+    (with replicas: hand every rank's replication report, and the committed
+     step, to the replication thread: see :mod:`.replicas.send`)
 
 A failed exchange (a rank died, hung or fell out of step) leaves the group's
 state unknown: the coordinator is then ``broken`` and the writer refuses
@@ -50,12 +52,13 @@ class Coordinator:
     def __init__(self, writer: SnapshotWriter, group: Any, root: int, rank: int,
                  world_size: int, coord_timeout: float, write_timeout: float,
                  on_commit: Callable[[DistributedWriteHandle], None] | None = None,
-                 on_replicate: Callable[[DistributedWriteHandle], None] | None = None) -> None:
+                 replicator: Any = None) -> None:
         self.writer = writer
         # with a remote tier: given each step committed on every rank, in commit order
         self.on_commit = on_commit
-        # with replicas: the same, for the replication thread (every step, persisted or not)
-        self.on_replicate = on_replicate
+        # with replicas: the replication thread (.replicas.Replicator); each exchange
+        # carries its report, and hands it every rank's, with the step if committed
+        self.replicator = replicator
         self.group = group
         self.root = root
         self.rank = rank
@@ -82,7 +85,7 @@ class Coordinator:
             self._seq += 1
             handle = DistributedWriteHandle(self._seq, path, step, self.rank, file,
                                             remote=self.on_commit is not None,
-                                            replicas=self.on_replicate is not None)
+                                            replicas=self.replicator is not None)
             self.unresolved[handle.seq] = handle
         self.counts["submitted"] += 1
         return handle
@@ -216,6 +219,7 @@ class Coordinator:
                 step=step, timed_out=self.broken.timed_out))
             return
         mine, report = self._local(item)
+        mine["replicas"] = None if self.replicator is None else self.replicator.report()
         t0 = time.monotonic()
         try:
             gathered = _all_gather_msg(mine, self.world_size, self.group)
@@ -283,6 +287,16 @@ class Coordinator:
             log.warning("%s (the manifest is committed; this rank reports success)", self.broken)
             decision, agreed = [True, None], False
         coord_s = time.monotonic() - t0
+        committed = decision[0] and agreed
+        if self.replicator is not None:   # every step, persisted or not
+            self.replicator.add(item.handle if committed else None,
+                                [g.get("replicas") for g in gathered])
+            if decision[0] and not agreed:
+                try:
+                    item.handle._replicas.set_exception(DistributedCheckpointError(
+                        f"not replicated: {self.broken}", step=step))
+                except Exception:  # InvalidStateError
+                    pass
         if not decision[0]:
             if decision[1] is not None:
                 failures = {0: decision[1]}
@@ -298,15 +312,6 @@ class Coordinator:
                 item.handle.fail_upload(f"not uploaded: {self.broken}")
         elif self.on_commit is not None:
             item.handle.fail_upload("not uploaded: a memory-only step (persist=False)")
-        if self.on_replicate is not None:
-            if agreed:
-                self.on_replicate(item.handle)
-            else:
-                try:
-                    item.handle._replicas.set_exception(DistributedCheckpointError(
-                        f"not replicated: {self.broken}", step=step))
-                except Exception:  # InvalidStateError
-                    pass
         total = sum(g["size"] + sum(c["size"] for c in (g["optim"], g["data"]) if c)
                     for g in gathered)
         self.counts["committed"] += 1

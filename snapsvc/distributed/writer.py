@@ -175,13 +175,13 @@ class DistributedSnapshotWriter:
             self._upload_group, self._uploads = _start_uploads(
                 self, process_group, remote_timeout, remote_options, remote_keep_last)
         self._replicator = replicator = None if keeper is None else Replicator(
-            self.directory, _new_group(process_group, self.coord_timeout), self.rank,
+            # transfers' own deadlines come first: a gloo timeout closes all of a rank's links
+            self.directory, _new_group(process_group, 10 * self.coord_timeout), self.rank,
             self.world_size, self.replicas, node_id(), self.coord_timeout, keeper)
         self._coord = Coordinator(self._writer, self._group, self._root, self.rank,
                                   self.world_size, self.coord_timeout, self.write_timeout,
                                   on_commit=None if self._uploads is None else self._uploads.add,
-                                  on_replicate=None if replicator is None
-                                  else lambda h: replicator.add(h, h.file))
+                                  replicator=replicator)
         self._shard_memo = ShardMemo()   # a state submit's walk, kept for the next
         self._started = False
         self._closed = False

@@ -2,7 +2,7 @@
 
 Eviction follows what the world agreed, never a count of writes: a step
 becomes *complete* when it is committed and every replica of it was placed
-(the replication round's closing exchange, the same answer on every rank).
+(learnt at the next commit exchange, the same answer on every rank).
 Once step N is complete, the RAM copies (this rank's own memory-only files
 and the replicas it holds) of steps older than the ``keep``-th newest complete
 step go. So the newest complete step is never dropped for a newer step still
@@ -183,3 +183,41 @@ class Keeper:
         return (f"memory_limit={self.memory_limit} bytes: this rank holds {used} bytes of its "
                 f"own RAM copies and replicas (none older than the newest step complete in "
                 f"RAM) and the replica needs {incoming}; raise memory_limit on that rank")
+
+    def reserve(self, received: list[int]) -> None:
+        """Spare pages for the next round, reserved now, off the transfer's path: a
+        file received into fresh tmpfs pages pays their allocation and zeroing, about
+        twice the copy. A spare for each file this round received that no spare fits,
+        within the keeper's count of spares and ``memory_limit`` (which drops spares
+        before any copy)."""
+        sizes = sorted((n for n in received if n >= _MIN_SPARE), reverse=True)
+        have = sorted(os.path.getsize(p) for p in self.spares())
+        need = []
+        for n in sizes:
+            fit = [s for s in have if s >= n]
+            if fit:
+                have.remove(fit[0])
+            else:
+                need.append(n)
+        limit = self.memory_limit
+        used = None if limit is None else sum(
+            size_of(c) for n in self._steps() for c in self.copies(n))
+        spares = self.spares()
+        for n in need[:max(0, SPARES - len(spares))]:
+            total = None if used is None else used + sum(map(os.path.getsize, spares)) + n
+            if limit is not None and total is not None and total > limit:
+                return
+            folder = self._spare_folder(create=True)
+            if folder is None:
+                return
+            path = os.path.join(folder, f"ready{os.getpid()}-{next(_names)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, n)
+            except OSError as e:   # a full tmpfs: the next replica's receive finds out
+                os.unlink(path)
+                log.debug("snapsvc: no spare of %d bytes: %s", n, e)
+                return
+            finally:
+                os.close(fd)
+            spares.append(path)

@@ -19,32 +19,36 @@ own bytes and metadata, so a read checks a replica's CRC-32s as the origin's.
 Lifetime: a replica is a file in tmpfs that outlives a killed trainer (what a
 lost node's peers serve); the next writer of that rank on the directory
 adopts it, and a clean ``close()`` drops the replicas the rank holds. What
-stays in RAM follows the steps complete in RAM (:mod:`.keep`): each round ends
-with an exchange saying whether every replica of the step was placed.
+stays in RAM follows the steps complete in RAM (:mod:`.keep`).
 
-Loss of a holder: a holder that cannot hold a replica answers why; the
-origin's ``replicated()`` raises naming it, the closing exchange tells every
-rank, and from the next step on the placement passes it over (the copy goes to
-the next node of the ring), with one warning per origin. A transfer that fails
-(a peer process died: the group's state is unknown) stops replication for this
-writer; its coordinator fails the same way.
+Agreement without a collective of its own: each rank's next commit exchange
+(:mod:`..commit`, which needs every rank anyway) carries its report of the
+rounds it finished (its replicas placed or not), the holders that refused,
+and the peers whose transfer failed. Every rank applies the same reports in
+the same order before its next round, so placement and completeness agree.
+
+Loss of a holder: a holder that cannot hold a replica answers why; a transfer
+that fails (the peer's process or its replication died: closed connection, or
+no answer within the group's timeout) loses that link. Either way the origin's
+``replicated()`` raises naming the peer, the other pairs of the round go on,
+and from the next agreed step the placement passes the peer over (the copy
+goes to the next node of the ring), with one warning per origin. A rank whose
+link was lost takes no more part (as origin or holder): its peers never wait
+on it again, so nothing waits longer than one group timeout.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import mmap
 import os
 import queue
 import re
 import socket
 import threading
 import time
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Collection, Sequence
 
-import torch
-import torch.distributed as dist
 
 from ...errors import SnapsvcError
 from ...files.metafile import checkpoint_names, meta_path
@@ -53,6 +57,8 @@ from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
 from ..manifest import step_dir
+from .transport import Pipe, _recv_bytes, _send_bytes, recv_files, recv_header, \
+    recv_to_folder, send_files
 
 __all__ = ["node_id", "place_replicas", "replica_file", "Replicator", "NODE_ENV"]
 
@@ -137,101 +143,6 @@ def held_by(directory: str, step: int, holder: int, world: int) -> dict[int, str
     return out
 
 
-def _send_bytes(data: bytes | torch.Tensor, peer: int, group: Any) -> None:
-    t = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data) or
-                                                                     bytearray(1), dtype=torch.uint8)
-    dist.send(torch.tensor([t.numel()], dtype=torch.int64), peer, group=group)
-    dist.send(t, peer, group=group)
-
-
-def _recv_bytes(peer: int, group: Any) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, peer, group=group)
-    t = torch.empty(int(n), dtype=torch.uint8)
-    dist.recv(t, peer, group=group)
-    return t
-
-
-def send_files(paths: list[str], peer: int, group: Any, error: str | None = None) -> int:
-    """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
-    ``error``), then each non-empty file's bytes as one message; the bytes sent."""
-    present = [p for p in paths if os.path.exists(p)] if error is None else []
-    sizes = [os.path.getsize(p) for p in present]
-    _send_bytes(pack_value({"names": [os.path.basename(p) for p in present], "sizes": sizes,
-                            "error": error}), peer, group)
-    for p, n in zip(present, sizes):
-        if n:   # read by torch straight into the tensor sent: one copy
-            dist.send(torch.from_file(p, shared=False, size=n, dtype=torch.uint8), peer,
-                      group=group)
-    return sum(sizes)
-
-
-def recv_header(peer: int, group: Any) -> dict[str, Any]:
-    """The header :func:`send_files` sends first: ``names``, ``sizes``, ``error``."""
-    header: dict[str, Any] = unpack_value(bytes(_recv_bytes(peer, group).tolist()))
-    return header
-
-
-def recv_files(peer: int, group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The files of ``header`` into memory: name -> bytes (also to drain a refused one)."""
-    files = {}
-    for name, n in zip(header["names"], header["sizes"]):
-        files[name] = torch.empty(n, dtype=torch.uint8)
-        if n:
-            dist.recv(files[name], peer, group=group)
-    return files
-
-
-def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
-                   spare: Callable[[int], str | None] | None = None) -> None:
-    """The files of ``header`` straight into ``folder`` (private, 0600): each received
-    into the mapping of its temp file (no buffer in between), then renamed, the
-    metadata (``.meta``) last: it vouches for the rest. ``spare(n)``: a file whose
-    pages to reuse for ``n`` bytes (renamed to the temp name), or None."""
-    temps: list[tuple[str, str]] = []
-    sizes = header["sizes"]
-    received = 0   # the files whose bytes came
-    try:
-        for i, (name, n) in enumerate(zip(header["names"], sizes)):
-            received = i if n else i + 1
-            final = os.path.join(folder, name)
-            temp = f"{final}.{os.getpid()}.tmp"
-            reuse = spare(n) if spare is not None and n else None
-            if reuse is not None:
-                os.replace(reuse, temp)
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
-                         (0 if reuse else os.O_TRUNC), 0o600)
-            temps.append((temp, final))
-            try:
-                if n:
-                    os.ftruncate(fd, n)
-                    # the pages reserved first: a full tmpfs is ENOSPC here, not a SIGBUS
-                    # when recv() touches a page of the mapping
-                    os.posix_fallocate(fd, 0, n)
-                    # pages already there (a spare): their page tables filled at once
-                    populate = getattr(mmap, "MAP_POPULATE", 0) if reuse else 0
-                    with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | populate) as mapped:
-                        target = torch.frombuffer(mapped, dtype=torch.uint8)
-                        dist.recv(target, peer, group=group)
-                        received = i + 1
-                        del target   # the mapping closes only once no tensor uses it
-            finally:
-                os.close(fd)
-        for temp, final in sorted(temps, key=lambda tf: tf[1].endswith(".meta")):
-            os.replace(temp, final)
-    except BaseException as e:
-        for temp, _ in temps:
-            try:
-                os.unlink(temp)
-            except FileNotFoundError:
-                pass
-        if isinstance(e, OSError):   # the origin still sends the rest: taken, in step
-            for n in sizes[received:]:
-                if n:
-                    dist.recv(torch.empty(n, dtype=torch.uint8), peer, group=group)
-        raise
-
-
 class Replicator:
     """This rank's replication thread (see the module docstring)."""
 
@@ -246,14 +157,25 @@ class Replicator:
         self.timeout = timeout
         self.keeper = keeper   # a .keep.Keeper: what stays in RAM
         self.nodes: list[str] = _all_gather_msg(node, world_size, group)   # a collective
-        self.gone: set[int] = set()   # holders that could not hold, agreed: passed over
+        self.gone: set[int] = set()   # holders passed over, agreed (refused, or out)
+        self.out: set[int] = set()   # ranks a peer lost the link with, agreed: no part at all
+        self.lost: dict[int, str] = {}   # peers whose transfer failed here: never used again
         self.placement = [place_replicas(self.nodes, r, replicas) for r in range(world_size)]
         if replicas and len(set(self.nodes)) <= min(replicas, world_size - 1):
             log.warning("snapsvc: replicas=%d but only %d node(s): some replicas share a node "
                         "with their origin", replicas, len(set(self.nodes)))
-        self.queue: "queue.Queue[tuple[Any, str] | None]" = queue.Queue()
-        self.broken: str | None = None
+        self.queue: "queue.Queue[tuple[Any, list[Any]] | None]" = queue.Queue()
+        # for the next commit exchange: the rounds finished here (step, every replica of
+        # this rank placed), and the peers lost here since the last exchange
+        self._lock = threading.Lock()
+        self._done: list[list[Any]] = []
+        self._refused: set[int] = set()
+        self._reported: set[int] = set()
+        self._tally: dict[int, set[int] | None] = {}   # step -> ranks whose round placed all
         self.counts = {"replicated": 0, "replica_bytes": 0, "replica_s": 0.0}
+        self.pipe = Pipe()   # the replication thread's transfer buffers
+        self._sizes: list[int] = []   # the file sizes received this round
+        self._spare_thread: threading.Thread | None = None
         self.thread: threading.Thread | None = None
 
     @property
@@ -265,16 +187,33 @@ class Replicator:
         self.thread = threading.Thread(target=self._run, name="snapsvc-replicas", daemon=True)
         self.thread.start()
 
-    def add(self, handle: Any, file: str) -> None:
-        """Replicate the committed step of ``handle`` (this rank's file ``file``)."""
-        self.queue.put((handle, file))
+    def add(self, handle: Any, tables: list[Any]) -> None:
+        """After a commit exchange (the coordinator thread): every rank's :meth:`report`
+        of it, and the committed step of ``handle`` to replicate (None: not committed)."""
+        self.queue.put((handle, tables))
+
+    def report(self) -> dict[str, Any]:
+        """What this rank tells the others in the next commit exchange (the coordinator
+        thread): the rounds it finished, and the peers it lost, since the last one."""
+        with self._lock:
+            done, self._done = self._done, []
+            refused, self._refused = sorted(self._refused), set()
+            lost = sorted(set(self.lost) - self._reported)
+            self._reported.update(lost)
+        return {"done": done, "lost": lost, "refused": refused}
 
     def stop(self, timeout: float | None) -> bool:
         """Let the queued steps replicate (bounded); True when the thread ended."""
         self.queue.put(None)
         if self.thread is not None:
             self.thread.join(timeout)
-            return not self.thread.is_alive()
+            if self.thread.is_alive():
+                return False
+        if self._spare_thread is not None:   # before a close drops the spares
+            self._spare_thread.join(timeout)
+            if self._spare_thread.is_alive():
+                return False
+        self.pipe.close()
         return True
 
     def close(self, timeout: float | None, ended: bool) -> list[Any]:
@@ -296,53 +235,87 @@ class Replicator:
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
-            handle, file = job
-            if self.broken is not None:
-                # committed, its own copies held: complete in RAM without replicas, so
-                # older steps still leave RAM (each rank on its own: no exchange now)
-                self.keeper.completed(handle.step)
-                _fail(handle, SnapsvcError(f"step {handle.step}: not replicated: replication "
-                                           f"stopped after {self.broken}"))
-                continue
+            handle, tables = job
+            if self._spare_thread is not None:
+                self._spare_thread.join()   # a fallocate: bounded
             try:
-                self._one(handle, file)
-            except Exception as e:   # a peer died or hung: the group's state is unknown
-                self.broken = f"step {handle.step}: {_reason(e)}"
-                log.error("snapsvc: replicating step %d failed on rank %d: %s; no further "
-                          "replicas from this writer", handle.step, self.rank, _reason(e))
-                _fail(handle, SnapsvcError(
-                    f"step {handle.step}: replicas of rank {self.rank} not placed on rank(s) "
-                    f"{self.holders}: {_reason(e)}"))
+                self._agree(tables)
+                if handle is not None:
+                    self._one(handle)
+                    self._spare_later()
+            except Exception as e:   # a bug: a peer's failure is caught per pair
+                log.exception("snapsvc: replicating on rank %d failed", self.rank)
+                if handle is not None:
+                    _fail(handle, SnapsvcError(f"step {handle.step}: replicas of rank "
+                                               f"{self.rank} not placed: {_reason(e)}"))
 
-    def _one(self, handle: Any, file: str) -> None:
+    def _agree(self, tables: list[Any]) -> None:
+        """Every rank's report of one commit exchange (the same on every rank, applied
+        in the same order). Holders that refused are passed over; ranks a peer lost
+        the link with take no more part, as holders or origins (from the next step
+        on). A step is complete in RAM once every rank still taking part finished
+        its round with its replicas placed: the keeper then drops older steps."""
+        failed: set[int] = set()
+        for table in filter(None, tables):
+            self.out.update(table["lost"])
+            failed.update(table["lost"], table["refused"])
+        for r, table in enumerate(tables):
+            for step, ok in (table or {}).get("done", ()):
+                ranks = self._tally.setdefault(step, set())
+                if ranks is not None:
+                    self._tally[step] = ranks | {r} if ok else None
+        for step, ranks in sorted(self._tally.items()):
+            if ranks is not None and len(ranks | self.out) >= self.world_size:
+                self.keeper.completed(step)
+        done = set(self.keeper.complete)
+        self._tally = {s: v for s, v in self._tally.items()
+                       if s not in done and (not done or s > min(done))}
+        self._pass_over(failed)
+
+    def _one(self, handle: Any) -> None:
         """One step's round: every (origin, holder) pair in the same order on every
-        rank, then a closing exchange: which holders could not hold (passed over
-        from the next step on), and whether the step is complete in RAM."""
-        from ..coord import _all_gather_msg
-        step, group = handle.step, self.group
-        source = held(file) or file   # its RAM copy (persist=False), else the disk
+        rank, only the two ranks of a pair acting on it. A pair whose transfer fails
+        (a peer died, hung past the group's timeout, or its replication is gone) is
+        lost to this rank: reported at the next exchange, never used again."""
+        step = handle.step
+        source = held(handle.file) or handle.file   # its RAM copy (persist=False), else the disk
         problems: dict[int, str] = {}
         t0, sent = time.monotonic(), 0
-        holders = list(self.holders)
+        holders = [] if self.rank in self.out else list(self.holders)
         for origin, placed in enumerate(self.placement):
+            if origin in self.out:
+                continue
             for h in placed:
                 if origin == self.rank:
-                    paths = checkpoint_names(source)
-                    # whole files, each one tensor over the file's pages (no copy in Python)
-                    sent += send_files(paths, h, group)
-                    answer = unpack_value(bytes(_recv_bytes(h, group).tolist()))
+                    if h in self.lost:
+                        problems[h] = f"an earlier transfer with it failed ({self.lost[h]})"
+                        continue
+                    try:   # whole files, each one tensor over the file's pages
+                        sent += send_files(checkpoint_names(source), h, self.group,
+                                           timeout=self.timeout, pipe=self.pipe)
+                        answer = unpack_value(_recv_bytes(h, self.group, self.timeout))
+                    except Exception as e:
+                        answer = f"the transfer failed: {self._lose(h, step, e)}"
                     if answer is not None:
                         problems[h] = answer
-                elif h == self.rank:
-                    _send_bytes(pack_value(self._receive(origin, step)), origin, group)
-        short = len(holders) < min(self.replicas, self.world_size - 1)
-        tables = _all_gather_msg({"failed": sorted(problems), "short": short},
-                                 self.world_size, group)
-        self.counts["replica_s"] += time.monotonic() - t0   # the closing exchange included
+                        with self._lock:
+                            self._refused.add(h)
+                elif h == self.rank and origin not in self.lost:
+                    try:
+                        why = self._receive(origin, step)
+                        _send_bytes(pack_value(why), origin, self.group, self.timeout)
+                    except Exception as e:
+                        self._lose(origin, step, e)
+        short = self.rank not in self.out and len(holders) < min(self.replicas,
+                                                                  self.world_size - 1)
+        if self.rank in self.out:
+            problems = {h: f"the replication link failed: {why}" for h, why in self.lost.items()}
+            problems = problems or {self.rank: "a peer lost its replication link with this rank"}
+        self.counts["replica_s"] += time.monotonic() - t0
         self.counts["replica_bytes"] += sent
-        if not any(t["failed"] or t["short"] for t in tables):
-            self.keeper.completed(step)
-        self._pass_over({h for t in tables for h in t["failed"]}, step)
+        with self._lock:
+            # a rank out of replication has only its own copy: as complete as it gets
+            self._done.append([step, not problems or self.rank in self.out])
         if problems or short:
             why = "; ".join(f"rank {h} (node {self.nodes[h]}): {problems[h]}"
                             for h in sorted(problems))
@@ -356,10 +329,20 @@ class Replicator:
         self.counts["replicated"] += 1
         _resolve(handle, holders)
 
-    def _pass_over(self, failed: set[int], step: int) -> None:
-        """The holders in ``failed`` (every rank's same set) hold no more replicas:
-        each origin they served re-replicates to another live node from the next
-        step on, and says so once."""
+    def _lose(self, peer: int, step: int, e: BaseException) -> str:
+        """The link with ``peer`` failed: never used again by this rank; the reason."""
+        why = _reason(e)
+        with self._lock:
+            self.lost[peer] = why
+        log.warning("snapsvc: rank %d lost its replication link with rank %d (node %s) at step "
+                    "%d: %s; no replica goes between them from now on", self.rank, peer,
+                    self.nodes[peer], step, why)
+        return why
+
+    def _pass_over(self, failed: set[int], step: int | None = None) -> None:
+        """The ranks in ``failed`` (every rank's same set) take no more part: each
+        origin they served re-replicates to another live node from the next step on,
+        and says so once."""
         new = failed - self.gone
         if not new:
             return
@@ -367,28 +350,52 @@ class Replicator:
         before = self.holders
         self.placement = [place_replicas(self.nodes, r, self.replicas, self.gone)
                           for r in range(self.world_size)]
-        if before != self.holders:
-            log.warning("snapsvc: rank(s) %s could not hold rank %d's replica of step %d; "
-                        "from the next step on it goes to rank(s) %s (node(s) %s)",
-                        sorted(new & set(before)), self.rank, step, self.holders,
+        if before != self.holders and self.rank not in self.gone:
+            log.warning("snapsvc: rank(s) %s could not hold rank %d's replica%s; from the next "
+                        "step on it goes to rank(s) %s (node(s) %s)",
+                        sorted(new & set(before)), self.rank,
+                        "" if step is None else f" of step {step}", self.holders,
                         [self.nodes[h] for h in self.holders])
 
     def _receive(self, origin: int, step: int) -> str | None:
         """Hold ``origin``'s replica of ``step``; None, or why not (a refused replica's
         bytes are still received, so that the exchange stays in step)."""
-        header = recv_header(origin, self.group)
+        header = recv_header(origin, self.group, self.timeout)
         if header["error"] is not None:
             return str(header["error"])
         self.keeper.seen.add(step)
         folder, why = self._place(header, step)
         if folder is None:
-            recv_files(origin, self.group, header)   # drained
+            recv_files(origin, self.group, header, self.timeout)   # drained
             return why
         try:
-            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare)
+            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare,
+                           self.timeout, self.pipe)
+        except TimeoutError:
+            raise   # the link is lost
         except (OSError, SnapsvcError) as e:
             return _reason(e)
+        self._sizes += header["sizes"]
         return None
+
+    def _spare_later(self) -> None:
+        """``keeper.reserve`` for this round's files, on a thread of low
+        priority (on Linux, a thread's own nice value), so that reserving pages takes
+        no CPU from training; the next round, and a close, wait for it."""
+        sizes, self._sizes = self._sizes, []
+
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):   # not Linux, or not allowed: as it is
+                pass
+            try:
+                self.keeper.reserve(sizes)
+            except Exception as e:   # a spare is an optimisation: never a failure
+                log.debug("snapsvc: reserving spare pages failed: %s", _reason(e))
+
+        self._spare_thread = threading.Thread(target=run, name="snapsvc-spares", daemon=True)
+        self._spare_thread.start()
 
     def _place(self, header: dict[str, Any], step: int) -> tuple[str | None, str | None]:
         """The RAM folder for the replica ``header`` announces, or (None, why not)."""
