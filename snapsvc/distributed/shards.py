@@ -38,6 +38,11 @@ _TENSOR, _NAME = operator.itemgetter(-1), operator.itemgetter(-2)   # of a Flat'
 
 def _itself(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _uniform(takes: list[Callable]) -> Callable | list[Callable]:
+    """How a part's pieces are taken: one function for all (one C-level map), or one each."""
+    return takes[0] if len(set(takes)) == 1 else takes
 # a piece's dtype: one .fdl tags, or one of the data file's (the piece is written there)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (*fdl.DTYPE_TO_TAG, *datafile.DTYPE_TO_TAG)}
 
@@ -161,8 +166,9 @@ class _Pieces(NamedTuple):
     staged: list[tuple[int, str, str, int, bool]]   # per piece: (params 0, buffers 1 or
     #                                       rest 2, kind, name, entry index, is a DTensor)
     # the same per part of the staged Flat (params, buffers, rest), for C-level passes:
-    # (entry indices, the piece of each (_LOCAL or _itself), names, kinds), and the records
-    parts: tuple[tuple[list[int], list[Callable], list[str], list[str]], ...]
+    # (entry indices, the piece of each (_LOCAL or _itself, one for all where it is the
+    # same), names, kinds), and the records
+    parts: tuple[tuple[list[int], Callable | list[Callable], list[str], list[str]], ...]
     mine: list[dict[str, Any]]
     geometries: tuple[list, list, list]   # the staged Flat's geometry (as Flat has it)
     dall: list[int]                       # the DTensor entries, and their specs then:
@@ -242,7 +248,8 @@ class ShardMemo:
                 now.dindex.append(i)
                 locals_.append(source)
         parts = tuple(([i for t, _, _, i, _ in now.staged if t == to],
-                       [_LOCAL if d else _itself for t, _, _, _, d in now.staged if t == to],
+                       _uniform([_LOCAL if d else _itself for t, _, _, _, d in now.staged
+                                 if t == to]),
                        [n for t, _, n, _, _ in now.staged if t == to],
                        [k for t, k, _, _, _ in now.staged if t == to]) for to in range(3))
         self.last = now._replace(dguard=tensor_guard(locals_), parts=parts,
@@ -254,11 +261,13 @@ class ShardMemo:
               ) -> tuple[Flat, list[dict[str, Any]]]:
         """The staged Flat of ``p``'s pieces, each taken from this submit's ``tensors``
         (a DTensor's local tensor), in C-level passes."""
-        at, staged = tensors.__getitem__, []
+        at, staged = tensors.__getitem__, cast("list[list[Any]]", [])
         for to, (index, take, names, kinds) in enumerate(p.parts):
-            pieces = map(operator.call, take, map(at, index))
+            got = map(at, index)
+            pieces = map(take, got) if callable(take) else (f(t) for f, t in zip(take, got))
             staged.append(list(zip(kinds, names, pieces)) if to == 2 else list(zip(names, pieces)))
-        return Flat(*staged, flat.tree, flat.structural_hash, flat.kinds, flat.checked,
+        return Flat(staged[0], staged[1], staged[2], flat.tree, flat.structural_hash,
+                    flat.kinds, flat.checked,
                     cast("tuple[list, list, list]", tuple(map(list, p.geometries)))
                     ), list(p.mine)
 
