@@ -293,3 +293,23 @@ def test_a_module_that_stops_keeping_its_own_names_is_walked_again():
     flat = tree.flatten(state, memo)
     assert flat.params == [] and flat.rest[0][1] == "net/0.weight", flat.rest[0]
     _same_flat(flat, tree.flatten(state))
+
+
+def test_param_names_are_named_parameters_names():
+    # param_names reads _parameters directly (issue 34): the same names as
+    # named_parameters(), a shared parameter under its first name, a None one left out
+    from snapsvc.state.paths import param_names
+    inner = nn.Linear(2, 2)
+    model = nn.Sequential(inner, nn.Sequential(inner, nn.Linear(2, 3)), nn.Linear(3, 1))
+    model[1][1].bias = None
+    model[2].register_parameter("tied", model[0].weight)
+    other = nn.Linear(1, 1)
+    state = {"model": model, "aux": {"head": other}, "also": [model]}
+    names = param_names(state)
+    want: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        want.setdefault(id(p), n)
+    for n, p in other.named_parameters():
+        want.setdefault(id(p), f"aux/head/{n}")
+    assert names == want
+    assert names[id(model[0].weight)] == "0.weight" and id(model[1][1].weight) in names

@@ -32,6 +32,17 @@ SHARDS_KEY = "snapsvc_shards"
 # A DTensor's local tensor itself: under no_grad ``to_local()`` returns it too,
 # except for a Parameter, where it is a new view at every call
 _LOCAL = operator.attrgetter("_local_tensor")
+_SPEC = operator.attrgetter("_spec")
+_TENSOR, _NAME = operator.itemgetter(-1), operator.itemgetter(-2)   # of a Flat's entry
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _uniform(takes: list[Callable]) -> Callable | list[Callable]:
+    """How a part's pieces are taken: one function for all (one C-level map), or one each."""
+    return takes[0] if len(set(takes)) == 1 else takes
 # a piece's dtype: one .fdl tags, or one of the data file's (the piece is written there)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (*fdl.DTYPE_TO_TAG, *datafile.DTYPE_TO_TAG)}
 
@@ -154,6 +165,11 @@ class _Pieces(NamedTuple):
     records: list[dict[str, Any] | None]  # this rank's record of each, or None
     staged: list[tuple[int, str, str, int, bool]]   # per piece: (params 0, buffers 1 or
     #                                       rest 2, kind, name, entry index, is a DTensor)
+    # the same per part of the staged Flat (params, buffers, rest), for C-level passes:
+    # (entry indices, the piece of each (_LOCAL or _itself, one for all where it is the
+    # same), names, kinds), and the records
+    parts: tuple[tuple[list[int], Callable | list[Callable], list[str], list[str]], ...]
+    mine: list[dict[str, Any]]
     geometries: tuple[list, list, list]   # the staged Flat's geometry (as Flat has it)
     dall: list[int]                       # the DTensor entries, and their specs then:
     dspecs: list[Any]                     # a record is its spec's and its local shape's
@@ -165,7 +181,7 @@ def _unchecked(tensors: list[torch.Tensor]) -> bool:
     return False   # a walk's pieces before their guard is made: never the last walk's
 
 
-_NONE = _Pieces([], [], [], [], [], [], ([], [], []), [], [], [], _unchecked)
+_NONE = _Pieces([], [], [], [], [], [], (), [], ([], [], []), [], [], [], _unchecked)
 
 
 class ShardMemo:
@@ -190,18 +206,20 @@ class ShardMemo:
         A piece has its DTensor's name, dtype and rank: checked by the walk."""
         last, is_ = self.last, operator.is_
         entries: list[tuple] = [*flat.params, *flat.buffers, *flat.rest]
-        tensors = [e[-1] for e in entries]
-        names = [e[-2] for e in entries]
+        tensors = list(map(_TENSOR, entries))
+        names = list(map(_NAME, entries))
         types = list(map(type, tensors))
         assert flat.geometry is not None   # a walk's Flat has it
         geometry = [*flat.geometry[0], *flat.geometry[1], *flat.geometry[2]]
+        at = tensors.__getitem__
         if names == last.names and types == last.types and geometry == last.geometry \
-                and all(map(is_, [tensors[i]._spec for i in last.dall], last.dspecs)) \
-                and last.dguard([_LOCAL(tensors[i]) for i in last.dindex]):
+                and all(map(is_, map(_SPEC, map(at, last.dall)), last.dspecs)) \
+                and last.dguard(list(map(_LOCAL, map(at, last.dindex)))):
             return self._flat(flat, last, tensors)
         index = {n: i for i, n in enumerate(last.names)}
         dtensor = _dtensor_type() or ()   # loaded: the state holds one
-        now = _Pieces(names, types, geometry, [], [], [], ([], [], []), [], [], [], _unchecked)
+        now = _Pieces(names, types, geometry, [], [], [], (), [], ([], [], []), [], [], [],
+                      _unchecked)
         locals_: list[torch.Tensor] = []
         n_params, n_buffers = len(flat.params), len(flat.params) + len(flat.buffers)
         for i, (name, t, geo) in enumerate(zip(names, tensors, geometry)):
@@ -229,20 +247,29 @@ class ShardMemo:
             if is_dtensor:
                 now.dindex.append(i)
                 locals_.append(source)
-        self.last = now._replace(dguard=tensor_guard(locals_))
-        return self._flat(flat, now, tensors)
+        parts = tuple(([i for t, _, _, i, _ in now.staged if t == to],
+                       _uniform([_LOCAL if d else _itself for t, _, _, _, d in now.staged
+                                 if t == to]),
+                       [n for t, _, n, _, _ in now.staged if t == to],
+                       [k for t, k, _, _, _ in now.staged if t == to]) for to in range(3))
+        self.last = now._replace(dguard=tensor_guard(locals_), parts=parts,
+                                 mine=[r for r in now.records if r is not None])
+        return self._flat(flat, self.last, tensors)
 
     @staticmethod
     def _flat(flat: Flat, p: _Pieces, tensors: list[torch.Tensor]
               ) -> tuple[Flat, list[dict[str, Any]]]:
-        """The staged Flat of ``p``'s pieces, each taken from this submit's ``tensors``."""
-        staged: tuple[list, list, list] = ([], [], [])
-        for to, kind, name, i, local in p.staged:
-            t = _LOCAL(tensors[i]) if local else tensors[i]
-            staged[to].append((kind, name, t) if to == 2 else (name, t))
-        records = [r for r in p.records if r is not None]
-        return Flat(*staged, flat.tree, flat.structural_hash, flat.kinds, flat.checked,
-                    cast("tuple[list, list, list]", tuple(map(list, p.geometries)))), records
+        """The staged Flat of ``p``'s pieces, each taken from this submit's ``tensors``
+        (a DTensor's local tensor), in C-level passes."""
+        at, staged = tensors.__getitem__, cast("list[list[Any]]", [])
+        for to, (index, take, names, kinds) in enumerate(p.parts):
+            got = map(at, index)
+            pieces = map(take, got) if callable(take) else (f(t) for f, t in zip(take, got))
+            staged.append(list(zip(kinds, names, pieces)) if to == 2 else list(zip(names, pieces)))
+        return Flat(staged[0], staged[1], staged[2], flat.tree, flat.structural_hash,
+                    flat.kinds, flat.checked,
+                    cast("tuple[list, list, list]", tuple(map(list, p.geometries)))
+                    ), list(p.mine)
 
 
 @torch.no_grad()
@@ -263,9 +290,11 @@ def _state_plan(state: Mapping, rank: int, memo: ShardMemo
     pnames = param_names(state)
     optimizers = {}
     for where, opt in find(state, torch.optim.Optimizer):
-        listed = [pnames.get(id(p)) for g in opt.param_groups for p in g["params"]]
+        listed = list(map(pnames.get, map(id, [p for g in opt.param_groups
+                                                for p in g["params"]])))
         optimizers[where] = None if None in listed else listed
-    desc = {"params": [n for n, _ in flat.params], "buffers": [n for n, _ in flat.buffers],
+    first = operator.itemgetter(0)
+    desc = {"params": list(map(first, flat.params)), "buffers": list(map(first, flat.buffers)),
             "optimizer": None, "state": {"optimizers": optimizers}}
     return mine, records, desc
 

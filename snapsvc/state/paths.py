@@ -80,8 +80,13 @@ def param_names(state: Mapping) -> dict[int, str]:
     key, out = model_key(state), {}
     own = None if key is None else segment(key)
     for where, module in find(state, nn.Module):
-        for n, p in module.named_parameters():
-            out.setdefault(id(p), n if where == own else f"{where}/{segment(n)}")
+        # named_parameters()'s names, first name of a shared one kept, without its set of
+        # seen tensors: hashing a DTensor goes through __torch_function__ (~3 us each)
+        for prefix, mod in module.named_modules():
+            for n, p in mod._parameters.items():
+                if p is not None and id(p) not in out:
+                    n = f"{prefix}.{n}" if prefix else n
+                    out[id(p)] = n if where == own else f"{where}/{segment(n)}"
     return out
 
 
