@@ -27,6 +27,7 @@ from ..errors import (ArchitectureMismatchError, FormatError, ShapeMismatchError
                       StrictLoadError, TargetNotWritableError)
 from ..format import fdl
 from .durable import commit
+from .fused import Pairs, PieceCopier
 from .metafile import FileStats, file_framing, stage_checkpoint_file
 from ..format.streams import (GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, ReadStream,
                               crc32_of, is_gzip_path, open_source)
@@ -210,7 +211,8 @@ def read_checkpoint(src: PathOrFile) -> Checkpoint:
 
 def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
                   shared_buffer: bool = False, pin_memory: bool = False,
-                  recorded_in: str = "metadata", framing: fdl.Framing = fdl.FDL) -> Checkpoint:
+                  recorded_in: str = "metadata", framing: fdl.Framing = fdl.FDL,
+                  fill: Callable[[Checkpoint], Pairs] | None = None) -> Checkpoint:
     """Decode ``path`` (plain or gzip), checking in the same pass that the file
     on disk has ``size`` bytes and CRC-32 ``crc32``, as recorded when it was
     written (``recorded_in`` names the record in errors: "metadata", "manifest").
@@ -231,13 +233,22 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
     ``shared_buffer``) reads the file into one page-locked buffer instead, so
     copies to a CUDA device with ``non_blocking=True`` are direct DMA.
     ``framing``: the file's format (a data file: :data:`snapsvc.format.datafile.DATA`).
+
+    ``fill(checkpoint)`` returns (entry, fresh tensor) pairs: when this
+    returns, each fresh tensor holds its entry. Of a mapped file, ``fill``
+    sees the entries before the check, and each piece of the file is copied
+    into the fresh tensors just after it is checksummed (one read of memory,
+    not two: :mod:`snapsvc.files.fused`); what ``fill`` raises on a file
+    that fails its check gives way to the check's error. Only tensors that
+    nothing else holds may be filled: a file that fails leaves them partly
+    written.
     """
     path = os.fspath(path)
     if not (isinstance(size, int) and isinstance(crc32, int)):
         raise FormatError(f"the {recorded_in} records size {size!r} and crc32 {crc32!r}, "
                           "not integers", path=path)
     if shared_buffer and not pin_memory:
-        mapped = _read_mapped(path, size, crc32, recorded_in, framing)
+        mapped = _read_mapped(path, size, crc32, recorded_in, framing, fill)
         if mapped is not None:
             return mapped
     with open_source(path, checksum=True) as s:
@@ -245,8 +256,8 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
         assert tap is not None and s.file_size is not None
         _check_size(path, s.file_size, size, recorded_in)
         if shared_buffer and not s.gzip:
-            return _read_shared(path, s.stream, tap, size, crc32, pin_memory, recorded_in,
-                                framing)
+            return _filled(_read_shared(path, s.stream, tap, size, crc32, pin_memory,
+                                        recorded_in, framing), fill)
         # not seekable: every byte is read
         dec = fdl.Decoder(s.stream, size=s.size, path=path, framing=framing)
         try:
@@ -257,7 +268,15 @@ def read_verified(path: str | os.PathLike[str], size: int, crc32: int, *,
             raise
         tap.drain()
         _check_file(path, tap, size, crc32, recorded_in)
-    return _checkpoint(dec, entries, path)
+    return _filled(_checkpoint(dec, entries, path), fill)
+
+
+def _filled(ckpt: Checkpoint, fill: Callable[[Checkpoint], Pairs] | None) -> Checkpoint:
+    """``ckpt`` (checked) with ``fill``'s fresh tensors copied into."""
+    if fill is not None:
+        for src, dst in fill(ckpt):
+            dst.copy_(src)
+    return ckpt
 
 
 _NOT_ITS_FILE = ("or it is not the file its {} was written for (an overwrite that crashed between "
@@ -366,7 +385,8 @@ def _can_populate() -> bool:
 
 
 def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
-                 framing: fdl.Framing) -> Checkpoint | None:
+                 framing: fdl.Framing,
+                 fill: Callable[[Checkpoint], Pairs] | None = None) -> Checkpoint | None:
     """``read_verified(shared_buffer=True)`` of a plain file through a
     private mapping of it: the data is never copied into a buffer before it
     reaches its tensor, and there is no fresh buffer to fault in (measured
@@ -401,6 +421,8 @@ def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
     if not populate and not _resident(buf, size):
         buf.close()
         return None
+    if fill is not None:
+        return _read_filling(path, buf, size, crc32, recorded_in, framing, fill, populate)
     view = memoryview(buf)
     try:
         seen = crc32_of(view, (lambda at, n: buf.madvise(_MADV_POPULATE_READ, at, n))
@@ -411,6 +433,31 @@ def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
         return None
     _check_file(path, (size, seen), size, crc32, recorded_in)
     return _entries_in(path, buf, view, size, framing)
+
+
+def _read_filling(path: str, buf: mmap.mmap, size: int, crc32: int, recorded_in: str,
+                  framing: fdl.Framing, fill: Callable[[Checkpoint], Pairs],
+                  populate: bool) -> Checkpoint | None:
+    """:func:`_read_mapped` with ``fill``: the entries are decoded (every page
+    mapped first, so a read error is an OSError, not a SIGBUS), ``fill``
+    names its pairs, then each piece is checksummed and copied out at once."""
+    try:
+        if populate:
+            buf.madvise(_MADV_POPULATE_READ, 0, size)
+    except OSError:  # a page could not be read: the read path says why
+        buf.close()
+        return None
+    view = memoryview(buf)
+    try:
+        ckpt = _entries_in(path, buf, view, size, framing)
+        copier = PieceCopier(buf, size, fill(ckpt))
+    except Exception as e:  # decoded from unchecked bytes: a bad file is the first thing to say
+        _check_file(path, (size, crc32_of(view)), size, crc32, recorded_in,
+                    cause=e if isinstance(e, FormatError) else None)
+        raise
+    _check_file(path, (size, crc32_of(view, after=copier)), size, crc32, recorded_in)
+    copier.copy_rest()
+    return ckpt
 
 
 def _entries_in(path: str, buf: Any, view: memoryview, size: int,

@@ -16,7 +16,7 @@ that deal in tensors: :func:`write_with_meta` of (name, tensor) pairs, and
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import Callable, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from ..errors import FormatError
 from ..format import datafile, fdl, framing
 from . import metafile
 from .checkpoint import Checkpoint, read_verified
+from .fused import Pairs
 from .metafile import (DATA_SUFFIX, META_SUFFIX, META_VERSION, Companion, FileStats, Meta,
                        checkpoint_names, companions, data_owner, data_path, meta_path, optim_path,
                        parse_meta, read_meta, read_msgpack_file, stage_meta, unpack_msgpack_map)
@@ -61,21 +62,31 @@ def write_with_meta(path: str | os.PathLike[str], entries: Entries, meta: Meta, 
 
 
 def read_with_data(path: str | os.PathLike[str], meta: "Meta", *, shared_buffer: bool = False,
-                   pin_memory: bool = False) -> Checkpoint:
+                   pin_memory: bool = False,
+                   fill: Callable[[dict[str, torch.Tensor]], Pairs] | None = None) -> Checkpoint:
     """The checkpoint at ``path`` with its data file's entries after its own (when
     ``meta`` records one), each file checked against ``meta`` while read (see
     :func:`~snapsvc.files.checkpoint.read_verified`; ``shared_buffer`` and
     ``pin_memory`` apply to the checkpoint file). An entry in both files is a
-    FormatError: they do not belong together."""
+    FormatError: they do not belong together. ``fill`` is ``read_verified``'s,
+    given all the entries (the data file is read and checked first)."""
     path = os.fspath(path)
+    more = read_data_file(path, meta)
+
+    def merged(ckpt: Checkpoint) -> Pairs:
+        twice = [n for n in more if n in ckpt.entries]
+        if twice:
+            raise FormatError(f"entry {twice[0]!r} is in both the checkpoint and its data file: "
+                              "the files do not belong together", path=data_path(path))
+        ckpt.entries.update(more)
+        return fill(ckpt.entries) if fill is not None else []
+
+    if fill is not None:
+        return read_verified(path, meta.size, meta.crc32, shared_buffer=shared_buffer,
+                             pin_memory=pin_memory, fill=merged)
     ckpt = read_verified(path, meta.size, meta.crc32, shared_buffer=shared_buffer,
                          pin_memory=pin_memory)
-    more = read_data_file(path, meta)
-    twice = [n for n in more if n in ckpt.entries]
-    if twice:
-        raise FormatError(f"entry {twice[0]!r} is in both the checkpoint and its data file: "
-                          "the files do not belong together", path=data_path(path))
-    ckpt.entries.update(more)
+    merged(ckpt)
     return ckpt
 
 

@@ -13,11 +13,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Callable, cast
 import torch
 from torch import nn
 
 from ..files.checkpoint import LoadReport, copy_problem, persistent_buffers
+from ..files.fused import Pairs
 from ..format import fdl, kinds
 from ..errors import ArchitectureMismatchError, FormatError, ShapeMismatchError, \
     StrictLoadError, TargetNotWritableError
@@ -103,23 +104,40 @@ class _Rebuild:
                                   "or param groups of parameter indices", path=self.where)
 
 
-def _read(path: str, keep_objects: bool, mapped: bool = False) -> tuple[Any, Any]:
+def _read(path: str, keep_objects: bool, mapped: bool = False,
+          prepare: Callable[[Any, Any], Pairs] | None = None) -> tuple[Any, Any]:
     """(meta, rebuilt tree) of a state checkpoint; every entry must be in the tree.
     A model checkpoint reads as the state ``{"model": model, "optimizer": opt}``.
     ``mapped``: the checkpoint file's tensors are views of one checked mapping
     of it (:func:`~snapsvc.files.checkpoint.read_verified`'s ``shared_buffer``),
-    to be copied out, not kept."""
+    to be copied out, not kept. ``prepare(meta, tree)``: the (entry, fresh
+    tensor) pairs to fill while the file is checked (``read_verified``'s
+    ``fill``); it sees the tree before the check."""
     meta = read_meta(path)
-    entries = read_with_data(path, meta, shared_buffer=mapped).entries
+    if prepare is None:
+        return meta, _tree(path, meta, read_with_data(path, meta, shared_buffer=mapped).entries,
+                           keep_objects)
+    trees: list[Any] = []
+
+    def fill(entries: dict[str, torch.Tensor]) -> Pairs:
+        trees.append(_tree(path, meta, entries, keep_objects))
+        return prepare(meta, trees[0])
+
+    read_with_data(path, meta, shared_buffer=mapped, fill=fill)
+    return meta, trees[0]
+
+
+def _tree(path: str, meta: Meta, entries: dict[str, torch.Tensor], keep_objects: bool) -> Any:
+    """The saved state of ``meta`` with its tensors from ``entries``."""
     if meta.state is None:
-        return meta, _model_form(path, meta, entries, keep_objects)
+        return _model_form(path, meta, entries, keep_objects)
     rebuild = _Rebuild(entries, path, keep_objects)
     tree = rebuild(meta.state)
     unused = [n for n in entries if n not in rebuild.used]
     if unused:
         raise FormatError(f"entries {unused[:3]} are not in the metadata's state tree: "
                           "the metadata does not belong to this checkpoint", path=path)
-    return meta, tree
+    return tree
 
 
 def _model_form(path: str, meta: Meta, entries: dict[str, torch.Tensor],
@@ -301,47 +319,70 @@ class _Matcher:
 
 def restore_state(path: str | os.PathLike[str], target: Mapping, *,
                   strict: bool = False) -> LoadReport:
-    """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`)."""
+    """Restore a nested state into a mapping of live objects (see :func:`snapsvc.restore`).
+
+    A tensor target is copied straight from the checked mapping of the file
+    (a RAM-tier copy in /dev/shm, or a file in the page cache), with no
+    buffer between. What an object's ``load_state_dict`` or
+    ``set_extra_state`` takes (an optimizer keeps the tensors it is given:
+    they must not pin the mapping) goes into fresh tensors, filled while
+    the file is checked: nothing live changes before the whole file passed."""
     path = os.fspath(path)
-    # Mapped: a tensor target is copied straight from the checked mapping of the file
-    # (a RAM-tier copy in /dev/shm, or a file in the page cache), with no buffer between.
-    meta, saved = _read(path, keep_objects=True, mapped=True)
-    return restore_tree(path, meta, saved, target, strict=strict, mapped=True)
+    plans: list[Plan] = []
+
+    def prepare(meta: Any, saved: Any) -> Pairs:
+        plan = _plan_tree(path, saved, target, strict=strict)
+        pairs: Pairs = []
+        plan.loads = [(n, obj, _fresh(sd, pairs)) for n, obj, sd in plan.loads]
+        plan.extras = [(n, mod, _fresh(state, pairs)) for n, mod, state in plan.extras]
+        plans.append(plan)
+        return pairs
+
+    meta, saved = _read(path, keep_objects=True, mapped=True, prepare=prepare)
+    return _finish(path, meta, saved, plans[0])
 
 
-def _owned(value: Any) -> Any:
-    """``value`` with each tensor in it cloned (containers keep their class)."""
+def _fresh(value: Any, pairs: Pairs) -> Any:
+    """``value`` with each tensor in it replaced by a fresh one of its own,
+    noted in ``pairs`` to be filled with the saved one (containers keep their class)."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        out = copy.copy(value)  # Counter, OrderedDict, a defaultdict's factory
-        for k, v in value.items():
-            out[k] = _owned(v)
+        out = torch.empty(value.shape, dtype=value.dtype)
+        pairs.append((value, out))
         return out
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # Counter, OrderedDict, a defaultdict's factory
+        for k, v in value.items():
+            copied[k] = _fresh(v, pairs)
+        return copied
     if isinstance(value, (list, tuple)):
-        return type(value)(_owned(v) for v in value)
+        return type(value)(_fresh(v, pairs) for v in value)
     return value
 
 
-def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
-                 strict: bool = False, mapped: bool = False) -> LoadReport:
-    """Restore ``saved`` (a tree rebuilt with its tensors, objects kept) into
-    ``target``: everything checked, then applied. ``path`` names it in errors.
-    ``mapped``: ``saved``'s tensors are views of a mapping; what an object's
-    ``load_state_dict`` or ``set_extra_state`` takes is cloned first (an
-    optimizer keeps the tensors it is given: they must not pin the mapping)."""
+def _plan_tree(path: str, saved: Any, target: Mapping, *, strict: bool) -> Plan:
+    """Everything ``saved`` changes in ``target``, checked; nothing changes."""
     m = _Matcher(path)
     m.mapping(target, saved, ())
-    if mapped:
-        m.plan.loads = [(n, obj, _owned(sd)) for n, obj, sd in m.plan.loads]
-        m.plan.extras = [(n, mod, _owned(state)) for n, mod, state in m.plan.extras]
     report = m.plan.report
     if strict and (report.skipped or report.missing):
         raise StrictLoadError(
             f"{path}: strict restore: {len(report.skipped)} saved paths not in the target "
             f"{report.skipped[:5]}, {len(report.missing)} target paths not in the checkpoint "
             f"{report.missing[:5]}; pass strict=False to restore the overlap")
-    apply(m.plan)
+    return m.plan
+
+
+def _finish(path: str, meta: Any, saved: Any, plan: Plan) -> LoadReport:
+    apply(plan)
+    report = plan.report
     report.epoch, report.metrics, report.extra = meta.epoch, dict(meta.metrics), meta.extra
     report.state = _Rebuild({}, path, keep_objects=False)(saved)  # objects -> their state
     return report
+
+
+def restore_tree(path: str, meta: Any, saved: Any, target: Mapping, *,
+                 strict: bool = False) -> LoadReport:
+    """Restore ``saved`` (a tree rebuilt with its tensors, objects kept, each
+    tensor its own) into ``target``: everything checked, then applied.
+    ``path`` names it in errors."""
+    return _finish(path, meta, saved, _plan_tree(path, saved, target, strict=strict))
