@@ -2,7 +2,7 @@
 
     python benchmarks/codec.py [--mib 256] [--repeat 3] [--restore-repeat 9]
         [--sections files restore levels] [--compare-with DIR] [--device cuda]
-        [--threads N] [--dir DIR] [--json out.json]
+        [--threads N] [--dir DIR] [--json out.json] [--nested-mib 64]
 
 One run, one set of tensors (16 MiB float32 normal matrices totalling --mib
 MiB, plus a few small bias/BatchNorm tensors), measured side by side:
@@ -21,6 +21,10 @@ MiB, plus a few small bias/BatchNorm tensors), measured side by side:
   ``torch.empty`` (what any reader of the file pays, page faults included)
   and into one buffer allocated and touched before the rounds (the copy out
   of the page cache alone: the floor of any read).
+  With ``--nested-mib`` (default 64), also a nested state ``{"model",
+  "opt"}`` with AdamW after one step (its file three times the weights):
+  ``snapsvc.restore`` into the live state against ``torch.load`` +
+  ``load_state_dict`` of both and a raw ``readinto`` of its ``.fdl``.
   The goal lines of issue 34 follow the table, each with its ratio from
   this run. The model and the page cache are warm. The operations run round-robin,
   --restore-repeat rounds after one warm-up round, so drifting load on a
@@ -60,7 +64,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import isal
 import torch
@@ -295,8 +299,49 @@ def synced(fn: Callable[[], object], device: str) -> None:
     torch.cuda.synchronize(device)
 
 
+NESTED = "nested state"  # in an op's name: the {model, AdamW} state, measured against its own
+
+
+def nested_state(mib: int, directory: Path, device: str
+                 ) -> tuple[dict[str, Any], Path, Path, dict[str, Any]]:
+    """A ``{"model", "opt"}`` state of ``mib`` MiB of weights and AdamW after one
+    step (twice that again), written by the sidecar and by torch.save: (the live
+    state, its .fdl, its .pt, the saved values to check a restore against)."""
+    model = make_model(make_tensors(mib)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    state = {"model": model, "opt": opt}
+    with snapsvc.SnapshotWriter(directory) as w:
+        w.submit(state, "nested.fdl").result(timeout=600)
+    pt = directory / "nested.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, pt)
+    want = {f"opt.{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items()
+            for k, v in s.items()}
+    want.update((f"model.{k}", v.clone()) for k, v in model.state_dict().items())
+    with torch.no_grad():  # so that every restore has something to change
+        for p in model.parameters():
+            p.zero_()
+    return state, directory / "nested.fdl", pt, want
+
+
+def nested_values(state: dict[str, Any]) -> Tensors:
+    got = {f"opt.{i}.{k}": v.cpu() for i, s in state["opt"].state_dict()["state"].items()
+           for k, v in s.items()}
+    got.update((f"model.{k}", v.cpu()) for k, v in state["model"].state_dict().items())
+    return got
+
+
+def torch_nested(state: dict[str, Any], pt: Path) -> None:
+    sd = torch.load(pt, weights_only=True)
+    state["model"].load_state_dict(sd["model"])
+    state["opt"].load_state_dict(sd["opt"])
+
+
 def bench_restore(tensors: Tensors, directory: Path, repeat: int,
-                  baseline: ModuleType | None, device: str) -> list[RestoreRow]:
+                  baseline: ModuleType | None, device: str,
+                  nested_mib: int = 0) -> list[RestoreRow]:
     model = make_model(tensors).to(device)
     with snapsvc.SnapshotWriter(directory) as w:
         w.submit(model, "r.fdl").result(timeout=600)
@@ -319,21 +364,35 @@ def bench_restore(tensors: Tensors, directory: Path, repeat: int,
     if baseline is not None:
         ops["baseline restore .fdl"] = lambda: baseline.restore(fdl, model)
     ops["snapsvc.restore .fdl.gz"] = lambda: snapsvc.restore(gz, model)
+    if nested_mib:
+        state, nfdl, npt, want = nested_state(nested_mib, directory, device)
+        nreused = torch.ones(nfdl.stat().st_size, dtype=torch.uint8)
+        ops[f"raw readinto, reused, {NESTED}"] = lambda: raw_reused(nfdl, nreused)
+        ops[f"torch.load + load_sd, {NESTED}"] = lambda: torch_nested(state, npt)
+        ops[f"snapsvc.restore {NESTED}"] = lambda: snapsvc.restore(nfdl, state)
     if device != "cpu":  # each op ends when its copies to the device have
         ops = {name: partial(synced, fn, device) for name, fn in ops.items()}
     times, cpu = rounds(ops, repeat)
     check_same("restore", {k: v.cpu() for k, v in sorted(model.state_dict().items())},
                dict(sorted(tensors.items())))
+    if nested_mib:  # the last op of each round was snapsvc's restore
+        check_same("nested restore", dict(sorted(nested_values(state).items())),
+                   dict(sorted(want.items())))
 
     nbytes = fdl.stat().st_size
     med = {name: statistics.median(runs) for name, runs in times.items()}
     cmed = {name: statistics.median(runs) for name, runs in cpu.items()}
     raw, pop, ref = ("raw readinto, fresh buffer", "raw readinto, reused buffer",
                      "torch.load + load_state_dict")
-    return [RestoreRow(name, stat(nbytes, runs), cpu[name], cmed[name],
-                       med[name] / med[raw], med[name] / med[pop], med[name] / med[ref],
-                       cmed[name] / cmed[raw], cmed[name] / cmed[ref])
-            for name, runs in times.items()]
+    rows = []
+    for name, runs in times.items():
+        # the nested rows against the nested raw read and torch's nested load
+        r, p, t = ((raw, f"raw readinto, reused, {NESTED}", f"torch.load + load_sd, {NESTED}")
+                   if NESTED in name else (raw, pop, ref))
+        rows.append(RestoreRow(name, stat(nbytes, runs), cpu[name], cmed[name],
+                               med[name] / med[r], med[name] / med[p], med[name] / med[t],
+                               cmed[name] / cmed[r], cmed[name] / cmed[t]))
+    return rows
 
 
 def bench_codec(data_name: str, data: memoryview, codec: str,
@@ -373,16 +432,17 @@ GOALS = (("x reuse", "vs_raw_reused", 1.25), ("x torch", "vs_torch", 0.5))
 
 
 def restore_goals(restores: list[RestoreRow]) -> list[str]:
-    """The goal lines of the plain ``.fdl`` restore, each with its ratio from this run."""
-    row = next((r for r in restores if r.op == "snapsvc.restore .fdl"), None)
-    if row is None:
-        return []
-    lines = ["goals (snapsvc.restore .fdl, medians of this run):"]
-    for label, attr, limit in GOALS:
-        value = getattr(row, attr)
-        lines.append(f"  restore {label}: {value:.2f} (target <= {limit}) "
-                     f"{'PASS' if value <= limit else 'FAIL'}")
-    return lines
+    """The goal lines of the plain ``.fdl`` restore and the nested state's (against
+    its own raw read and torch load), each with its ratio from this run."""
+    lines = ["goals (medians of this run; the nested state against its own raw read and "
+             "torch.load + load_state_dict):"]
+    for op in ("snapsvc.restore .fdl", f"snapsvc.restore {NESTED}"):
+        row = next((r for r in restores if r.op == op), None)
+        for label, attr, limit in GOALS if row is not None else ():
+            value = getattr(row, attr)
+            lines.append(f"  {op} {label}: {value:.2f} (target <= {limit}) "
+                         f"{'PASS' if value <= limit else 'FAIL'}")
+    return lines if len(lines) > 1 else []
 
 
 def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[CodecRow],
@@ -400,11 +460,11 @@ def print_tables(files: list[FileRow], restores: list[RestoreRow], codecs: list[
         runs = len(restores[0].time.runs_s)
         print(f"\nrestore into a warm model, warm page cache ({runs} rounds, medians; x = over "
               "raw fresh, raw reused, torch; cpu = process CPU time)")
-        print(f"{'op':<31} {'wall ms':>7} {'min ms':>7} {'cpu ms':>7}"
+        print(f"{'op':<36} {'wall ms':>7} {'min ms':>7} {'cpu ms':>7}"
               f" {'x raw':>6} {'x reuse':>7} {'x torch':>7} {'cpu x raw':>9} {'cpu x torch':>11}")
         for r in restores:
             t = r.time
-            print(f"{r.op:<31} {t.median_s * 1e3:>7.1f} {t.min_s * 1e3:>7.1f}"
+            print(f"{r.op:<36} {t.median_s * 1e3:>7.1f} {t.min_s * 1e3:>7.1f}"
                   f" {r.cpu_median_s * 1e3:>7.1f} {r.vs_raw:>6.2f} {r.vs_raw_reused:>7.2f}"
                   f" {r.vs_torch:>7.2f} {r.cpu_vs_raw:>9.2f} {r.cpu_vs_torch:>11.2f}")
         print("\n".join(restore_goals(restores)))
@@ -437,6 +497,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int,
                     help="torch.set_num_threads before measuring (default: torch's choice)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    ap.add_argument("--nested-mib", type=int, default=64,
+                    help="MiB of weights of the nested {model, AdamW} restore rows (AdamW's "
+                         "state adds twice that; 0: none; default 64)")
     args = ap.parse_args()
     if args.mib < 1 or args.repeat < 1 or args.restore_repeat < 1:
         ap.error("--mib, --repeat and --restore-repeat must be at least 1")
@@ -454,7 +517,7 @@ def main() -> None:
             files = bench_files(tensors, Path(tmp), args.repeat)
         if "restore" in args.sections:
             restores = bench_restore(tensors, Path(tmp), args.restore_repeat, baseline,
-                                     args.device)
+                                     args.device, args.nested_mib)
     codecs = bench_levels(tensors, args.repeat) if "levels" in args.sections else []
     header = [
         f"snapsvc codec benchmark: {len(tensors)} tensors, "
