@@ -455,7 +455,7 @@ def _read_filling(path: str, buf: mmap.mmap, size: int, crc32: int, recorded_in:
         _check_file(path, (size, crc32_of(view)), size, crc32, recorded_in,
                     cause=e if isinstance(e, FormatError) else None)
         raise
-    _check_file(path, (size, crc32_of(view, after=copier)), size, crc32, recorded_in)
+    _check_file(path, (size, crc32_of(view, copier.populate, copier)), size, crc32, recorded_in)
     copier.copy_rest()
     return ckpt
 
