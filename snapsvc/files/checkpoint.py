@@ -417,12 +417,14 @@ def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError, AttributeError):  # a file system without mmap
             return None
-    populate = _can_populate()
-    if not populate and not _resident(buf, size):
-        buf.close()
-        return None
-    if fill is not None:
-        return _read_filling(path, buf, size, crc32, recorded_in, framing, fill, populate)
+        populate = _can_populate()
+        if not populate and not _resident(buf, size):
+            buf.close()
+            return None
+        if fill is not None:
+            f.seek(0)
+            return _read_filling(path, buf, f, size, crc32, recorded_in, framing, fill,
+                                 populate)
     view = memoryview(buf)
     try:
         seen = crc32_of(view, (lambda at, n: buf.madvise(_MADV_POPULATE_READ, at, n))
@@ -435,35 +437,47 @@ def _read_mapped(path: str, size: int, crc32: int, recorded_in: str,
     return _entries_in(path, buf, view, size, framing)
 
 
-def _read_filling(path: str, buf: mmap.mmap, size: int, crc32: int, recorded_in: str,
-                  framing: fdl.Framing, fill: Callable[[Checkpoint], Pairs],
+def _read_filling(path: str, buf: mmap.mmap, file: Any, size: int, crc32: int,
+                  recorded_in: str, framing: fdl.Framing, fill: Callable[[Checkpoint], Pairs],
                   populate: bool) -> Checkpoint | None:
-    """:func:`_read_mapped` with ``fill``: the entries are decoded (every page
-    mapped first, so a read error is an OSError, not a SIGBUS), ``fill``
-    names its pairs, then each piece is checksummed and copied out at once."""
-    try:
-        if populate:
-            buf.madvise(_MADV_POPULATE_READ, 0, size)
-    except OSError:  # a page could not be read: the read path says why
-        buf.close()
-        return None
+    """:func:`_read_mapped` with ``fill``: the entries are decoded from ``file``
+    (the mapped file, read: headers only, the data skipped, so no page of the
+    mapping is touched before it is mapped whole), ``fill`` names its pairs,
+    then each part's pages are mapped (on its thread, as without ``fill``)
+    and each piece checksummed and copied out at once."""
     view = memoryview(buf)
     try:
-        ckpt = _entries_in(path, buf, view, size, framing)
+        ckpt = _entries_in(path, buf, view, size, framing, file)
         copier = PieceCopier(buf, size, fill(ckpt))
     except Exception as e:  # decoded from unchecked bytes: a bad file is the first thing to say
-        _check_file(path, (size, crc32_of(view)), size, crc32, recorded_in,
-                    cause=e if isinstance(e, FormatError) else None)
+        _check_file(path, (size, _populated_crc(buf, view, populate)), size, crc32,
+                    recorded_in, cause=e if isinstance(e, FormatError) else None)
         raise
-    _check_file(path, (size, crc32_of(view, copier.populate, copier)), size, crc32, recorded_in)
+
+    def before(at: int, n: int) -> None:
+        if populate:
+            buf.madvise(_MADV_POPULATE_READ, at, n)
+        copier.populate(at, n)
+
+    try:
+        seen = crc32_of(view, before, copier)
+    except OSError:  # a page could not be read: the read path says why (and fills anew)
+        return None
+    _check_file(path, (size, seen), size, crc32, recorded_in)
     copier.copy_rest()
     return ckpt
 
 
+def _populated_crc(buf: mmap.mmap, view: memoryview, populate: bool) -> int:
+    return crc32_of(view, (lambda at, n: buf.madvise(_MADV_POPULATE_READ, at, n))
+                    if populate else None)
+
+
 def _entries_in(path: str, buf: Any, view: memoryview, size: int,
-                framing: fdl.Framing) -> Checkpoint:
-    """Decode a whole, checked file held in ``buf``: each entry a view of it."""
-    reader = MemoryReader(view)
+                framing: fdl.Framing, file: Any = None) -> Checkpoint:
+    """Decode a whole file held in ``buf``: each entry a view of it. The
+    structure is read from ``view``, or from ``file`` (the same file, open)."""
+    reader = MemoryReader(view) if file is None else file
     dec = fdl.Decoder(reader, size=size, seekable=True, path=path, framing=framing)
     entries: dict[str, torch.Tensor] = {}
     for e in dec.entries(load=False):  # bounds checked; data skipped by seeking

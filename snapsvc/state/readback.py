@@ -121,10 +121,10 @@ def _read(path: str, keep_objects: bool, mapped: bool = False,
 
     def fill(entries: dict[str, torch.Tensor]) -> Pairs:
         trees.append(_tree(path, meta, entries, keep_objects))
-        return prepare(meta, trees[0])
+        return prepare(meta, trees[-1])
 
     read_with_data(path, meta, shared_buffer=mapped, fill=fill)
-    return meta, trees[0]
+    return meta, trees[-1]
 
 
 def _tree(path: str, meta: Meta, entries: dict[str, torch.Tensor], keep_objects: bool) -> Any:
@@ -339,7 +339,7 @@ def restore_state(path: str | os.PathLike[str], target: Mapping, *,
         return pairs
 
     meta, saved = _read(path, keep_objects=True, mapped=True, prepare=prepare)
-    return _finish(path, meta, saved, plans[0])
+    return _finish(path, meta, saved, plans[-1])
 
 
 def _fresh(value: Any, pairs: Pairs) -> Any:
