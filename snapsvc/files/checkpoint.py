@@ -27,7 +27,7 @@ from ..errors import (ArchitectureMismatchError, FormatError, ShapeMismatchError
                       StrictLoadError, TargetNotWritableError)
 from ..format import fdl
 from .durable import commit
-from .fused import Pairs, PieceCopier
+from .fused import Pairs, PieceCopier, resident as _resident
 from .metafile import FileStats, file_framing, stage_checkpoint_file
 from ..format.streams import (GZIP_MAGIC, CrcReader, MemoryReader, PathOrFile, ReadStream,
                               crc32_of, is_gzip_path, open_source)
@@ -335,30 +335,6 @@ def _read_shared(path: str, stream: ReadStream, tap: CrcReader, size: int, crc32
     tap.drain()
     _check_file(path, tap, size, crc32, recorded_in)
     return _entries_in(path, buf, view, size, framing)
-
-
-def _libc_mincore() -> Callable[[int, int, Any], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):  # not Linux/glibc: restore reads the file
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mincore = _libc_mincore()
-
-
-def _resident(buf: mmap.mmap, size: int) -> bool:
-    """Whether every page of the mapping ``buf`` is in the page cache now."""
-    if _mincore is None:
-        return False
-    pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    if _mincore(address, size, pages) != 0:
-        return False
-    return bool(torch.frombuffer(pages, dtype=torch.uint8).bitwise_and(1).all())
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+; another OS may give 22 another meaning

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Pairs", "PieceCopier"]
+__all__ = ["Pairs", "PieceCopier", "resident"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (view of the mapped file, fresh tensor)
 
@@ -45,6 +45,30 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 
 
 _madvise = _libc_madvise()
+
+
+def _libc_mincore() -> Callable[[int, int, Any], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):  # not Linux/glibc: restore reads the file
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mincore = _libc_mincore()
+
+
+def resident(buf: mmap.mmap, size: int) -> bool:
+    """Whether every page of the mapping ``buf`` is in the page cache now."""
+    if _mincore is None:
+        return False
+    pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if _mincore(address, size, pages) != 0:
+        return False
+    return bool(torch.frombuffer(pages, dtype=torch.uint8).bitwise_and(1).all())
 
 
 class PieceCopier:
