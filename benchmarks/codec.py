@@ -369,6 +369,8 @@ def bench_restore(tensors: Tensors, directory: Path, repeat: int,
         nreused = torch.ones(nfdl.stat().st_size, dtype=torch.uint8)
         ops[f"raw readinto, reused, {NESTED}"] = lambda: raw_reused(nfdl, nreused)
         ops[f"torch.load + load_sd, {NESTED}"] = lambda: torch_nested(state, npt)
+        if baseline is not None:
+            ops[f"baseline restore {NESTED}"] = lambda: baseline.restore(nfdl, state)
         ops[f"snapsvc.restore {NESTED}"] = lambda: snapsvc.restore(nfdl, state)
     if device != "cpu":  # each op ends when its copies to the device have
         ops = {name: partial(synced, fn, device) for name, fn in ops.items()}
