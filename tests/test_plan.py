@@ -375,3 +375,79 @@ def test_a_renamed_write_gets_new_headers_over_the_same_bytes(tmp_path):
         assert not done["ok"] and "1 names for 2 entries" in done["error"], done
         assert _write(side, flat, rep_r, 7, str(tmp_path / "z.fdl"), layout=layout.to_msg())["ok"]
         assert list(snapsvc.read_checkpoint(tmp_path / "z.fdl").entries) == ["a", "b"]
+
+
+# -- one tensor of 20,000 (issue 34: the check is one C pass, not a loop per tensor) --------
+
+def _set_other_storage(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.set_(torch.full((p.numel() + 1,), 3.0, dtype=p.dtype))
+
+
+def _storage_grown_under_it(p: torch.Tensor) -> None:
+    # the same storage object, moved to new memory, p's shape as it was: an alias
+    # shares the storage, so it moves too (the plan may hold or be remade)
+    p.data.resize_(1 << 14)
+
+
+MANY = 20_000
+ONE_OF_MANY = [_same_shape_other_memory, _new_shape, _cast, _set_other_storage,
+               _storage_grown_under_it, _swap, _strided]
+
+
+def _many(shape: tuple[int, ...]) -> nn.Module:
+    model = nn.Module()
+    for i in range(MANY):
+        model.register_parameter(f"p{i}", nn.Parameter(torch.full(shape, float(i % 7))))
+    return model
+
+
+@pytest.mark.parametrize("shape", [(16,), (4, 4)], ids=["1d", "2d"])
+def test_one_tensor_of_20000_changed_fails_the_plan(shape):
+    """Every change of one parameter among 20,000 that state_dict() shows, or
+    that gives a source read through an alias other memory, fails the plan."""
+    model = _many(shape)
+    sources = list(model.parameters())
+    layout = layout_mod.Layout.of(list(model.named_parameters()), [], "")
+    plan = pools.Plan.make(pools.walk(model), sources, pools.Pool([pools.Slot(1, layout, False)]))
+    assert plan.matches(pools.walk(model))
+    p = sources[MANY // 2 + 1]
+    old = p.data
+    # a 1-D source goes into the cat as itself, read where it is now: its memory may move
+    fail = [_new_shape, _cast, _set_other_storage, _strided] + (
+        [_same_shape_other_memory] if len(shape) > 1 else [])
+    for mutate in fail:
+        mutate(p)
+        held = plan.matches(pools.walk(model))  # (no pytest repr of 20,000 tensors)
+        assert not held, mutate.__name__
+        p.data = old
+        held = plan.matches(pools.walk(model))
+        assert held, mutate.__name__
+    _swap(p)  # another object in the model
+    held = plan.matches(pools.walk(model))
+    assert not held
+
+
+def test_one_tensor_of_many_changed_reaches_the_file(tmp_path):
+    """Through the sidecar, 2,000 parameters (1-D and 2-D in turn; fewer than
+    above to keep the test short: the plan's paths are the same): after each
+    change of one of them the file equals the model at its submit."""
+    model = nn.Module()
+    many = MANY // 10
+    for i in range(many):
+        model.register_parameter(f"p{i}", nn.Parameter(
+            torch.full((16,) if i % 2 else (4, 4), float(i % 7))))
+    with snapsvc.SnapshotWriter(tmp_path, slots=1) as w:
+        w.submit(model, "m0.fdl").result(timeout=60)
+        for i, mutate in enumerate(ONE_OF_MANY, 1):
+            for name in (f"p{many // 2}", f"p{many // 2 + 1}"):  # a 2-D one and a 1-D one
+                mutate(getattr(model, name))
+            want = model.state_dict()
+            w.submit(model, f"m{i}.fdl").result(timeout=60)
+            got = snapsvc.read_checkpoint(tmp_path / f"m{i}.fdl").entries
+            assert list(got) == list(want), mutate.__name__
+            for k in (f"p{many // 2}", f"p{many // 2 + 1}", f"p{many - 1}"):
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), \
+                    (mutate.__name__, k)
+            same = all(torch.equal(got[k], v) for k, v in want.items())
+            assert same, mutate.__name__
