@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import signal
 
 import pytest
@@ -265,6 +266,8 @@ def scenario_remote_resume(rank, world, tmp, remote):
         # step 20 (a mounted remote holding it), rank 1's not yet: one answer, no hang
         seen = os.path.join(tmp, "mounted20") if rank == 0 else None
         out["latest_race"] = snapsvc.latest_checkpoint(d, remote=seen)
+        # a remote tier whose newest is step 15 too: a tie goes to the fastest tier, RAM
+        out["latest_tie"] = snapsvc.latest_checkpoint(d, remote=os.path.join(tmp, "tie15"))
         out["step15"] = attempt(15, remote=remote)
         out["same15"] = same(15)
         out["without_remote"] = attempt(10)
@@ -284,6 +287,20 @@ def _flip(data: bytes) -> bytes:
     bad = bytearray(data)
     bad[len(bad) // 2] ^= 0xFF
     return bytes(bad)
+
+
+def _complete_copy(step: str, to) -> None:
+    """A mounted remote tier's step complete as latest_checkpoint sees it (its manifest,
+    every file it lists at its size): the memory-only ``step``'s, its files zeros."""
+    from snapsvc.distributed.manifest import RAM_MANIFEST_NAME, read_manifest
+    m = read_manifest(os.path.join(step, RAM_MANIFEST_NAME))
+    to.mkdir(parents=True)
+    shutil.copyfile(os.path.join(step, RAM_MANIFEST_NAME), to / "manifest.msgpack")
+    for r in m.ranks:
+        files = [(r.file, r.size), (r.file + ".meta", 0)] + [
+            (c["file"], c["size"]) for c in (r.optim, r.data) if c is not None]
+        for name, size in files:
+            (to / name).write_bytes(bytes(size))
 
 
 @pytest.mark.timeout(240)   # ~9 s beside the other world tests (the fork server is up)
@@ -322,6 +339,7 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
             copy.write_bytes(s3.read(key))
             s3.client.delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")
         drop(held_by(d, 20, 0, 2)[1])
+        _complete_copy(os.path.join(d, "step_15"), tmp_path / "tie15" / "step_15")
         mounted = tmp_path / "mounted" / "step_10"   # the remote tier as a mounted directory
         mounted.mkdir(parents=True)
         for key in [k for k in s3.keys() if k.startswith("step_10/rank1.")]:
@@ -339,6 +357,7 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     # newest, the same on both ranks
     assert r0["latest"] == r1["latest"] == os.path.join(d, "step_15")
     assert r0["step15"] == r1["step15"] == "ok" and r0["same15"] and r1["same15"]
+    assert r0["latest_tie"] == r1["latest_tie"] == os.path.join(d, "step_15")
     assert r0["latest_race"] == r1["latest_race"] == str(tmp_path / "mounted20" / "step_20")
     assert "step 20 is not complete in RAM: no live copy of rank(s) [1]" in r0["log"]
     assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]

@@ -140,8 +140,8 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
     fars = [(int(t["far"][0]), str(t["far"][1])) for t in tables if t["far"] is not None]
     newest_far = max(fars) if fars else None
     for m in candidates:   # newest first: the same walk on every rank
-        if newest_far is not None and m.step <= newest_far[0]:
-            break
+        if newest_far is not None and m.step < newest_far[0]:
+            break   # a tie goes to RAM: the fastest tier
         have = {o for t in tables for o in t["held"].get(m.step, ())}
         have |= {r for r in range(m.world_size) if _rank_on_disk(m, r)}
         if have >= set(range(m.world_size)):
