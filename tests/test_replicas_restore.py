@@ -237,6 +237,26 @@ def scenario_remote_save(rank, world, tmp, remote):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def unreachable_listing(d: str, remote: str, closed: bool) -> list:
+    """latest_checkpoint(remote=) where this rank's endpoint is a closed loopback port
+    (``closed``): the error's type and message, and the seconds it took."""
+    import socket
+    import time
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    if closed:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    try:
+        snapsvc.latest_checkpoint(d, remote=remote, timeout=3)
+        return ["no error", time.monotonic() - t0]
+    except OSError as e:
+        return [f"{type(e).__name__}: {e}", time.monotonic() - t0]
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
 def scenario_remote_resume(rank, world, tmp, remote):
     from test_replicas import _trainer
     os.environ["SNAPSVC_NODE"] = TWO_NODES[rank]
@@ -268,6 +288,7 @@ def scenario_remote_resume(rank, world, tmp, remote):
         out["latest_race"] = snapsvc.latest_checkpoint(d, remote=seen)
         # a remote tier whose newest is step 15 too: a tie goes to the fastest tier, RAM
         out["latest_tie"] = snapsvc.latest_checkpoint(d, remote=os.path.join(tmp, "tie15"))
+        out["unreachable"] = unreachable_listing(d, remote, rank == 0)
         out["step15"] = attempt(15, remote=remote)
         out["same15"] = same(15)
         out["without_remote"] = attempt(10)
@@ -358,6 +379,11 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     assert r0["latest"] == r1["latest"] == os.path.join(d, "step_15")
     assert r0["step15"] == r1["step15"] == "ok" and r0["same15"] and r1["same15"]
     assert r0["latest_tie"] == r1["latest_tie"] == os.path.join(d, "step_15")
+    # rank 0's remote is unreachable, rank 1's not: the same error on both, no wait
+    # (before, rank 1 waited out RAM_TIMEOUT in a gather rank 0 had left)
+    assert r0["unreachable"][0] == r1["unreachable"][0], (r0["unreachable"], r1["unreachable"])
+    assert r0["unreachable"][0].count("rank 0: listing s3://") == 1, r0["unreachable"]
+    assert r0["unreachable"][1] < 20 and r1["unreachable"][1] < 20
     assert r0["latest_race"] == r1["latest_race"] == str(tmp_path / "mounted20" / "step_20")
     assert "step 20 is not complete in RAM: no live copy of rank(s) [1]" in r0["log"]
     assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]

@@ -21,6 +21,7 @@ they check a step on disk.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import logging
@@ -107,21 +108,25 @@ def _group(process_group: Any) -> Iterator[Any]:
 
 
 def ram_latest(directory: str | os.PathLike[str], above: int | None,
-               process_group: Any = None, far: tuple[int, str] | None = None
+               process_group: Any = None, far: tuple[int, str] | None = None,
+               remote: bool = False, failed: OSError | None = None
                ) -> tuple[int, str] | None:
     """The newest step above ``above`` (the disk's newest) complete in RAM (see the
     module docstring), or the remote tier's newest step when newer: ``far`` is this
     rank's listing's, and the newest any rank listed is taken, so that a step
-    committed remotely between two ranks' listings gives them one answer. The same
-    on every rank; None when there is neither. A collective over the world (every
-    rank must call it) when the directory holds a step newer than ``above`` that
-    the disk alone does not complete (the same on every rank: the directory is
-    shared); else None without one (the caller takes ``far`` itself)."""
+    committed remotely between two ranks' listings gives them one answer; a tie goes
+    to RAM. ``failed``: this rank's listing's error, raised on every rank after the
+    gather (naming the rank), so that none waits for a rank that left. The same on
+    every rank; None when there is neither. A collective over the world (every rank
+    must call it) when a remote tier was listed (``remote``) in a world of more than
+    one, or when the directory holds a step newer than ``above`` that the disk alone
+    does not complete (the same on every rank: the directory is shared); else None
+    (or ``failed`` raised) without one (the caller takes ``far`` itself)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return None
+        names = []
     candidates = []
     for n in sorted((s for s in map(step_number, names) if s is not None), reverse=True):
         if above is not None and n <= above:
@@ -130,13 +135,17 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
         if m is not None and m.step == n and not _on_disk(m):
             candidates.append(m)
     where = _rank_world(process_group)
-    if not candidates or where is None:
+    if where is None or not (candidates or (remote and where[1] > 1)):
+        if failed is not None:
+            raise failed
         return None
     rank, world = where
     mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates},
-            "far": None if far is None else list(far)}
+            "far": None if far is None else list(far),
+            "failed": None if failed is None else [type(failed).__name__, str(failed)]}
     with _group(process_group) as group:
         tables = _all_gather_msg(mine, world, group)
+    _raise_listing_error(tables, failed)
     fars = [(int(t["far"][0]), str(t["far"][1])) for t in tables if t["far"] is not None]
     newest_far = max(fars) if fars else None
     for m in candidates:   # newest first: the same walk on every rank
@@ -149,6 +158,18 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
         log.info("step %d is not complete in RAM: no live copy of rank(s) %s", m.step,
                  sorted(set(range(m.world_size)) - have))
     return newest_far
+
+
+def _raise_listing_error(tables: list[dict[str, Any]], failed: OSError | None) -> None:
+    """The first rank's remote listing error, if any rank's failed: the same type and
+    message on every rank (this rank's own, if any, chained)."""
+    for r, t in enumerate(tables):
+        if t["failed"] is not None:
+            kind, text = t["failed"]
+            cls = getattr(builtins, kind, OSError)
+            if not (isinstance(cls, type) and issubclass(cls, OSError)):
+                cls = OSError
+            raise cls(f"rank {r}: {text}") from failed
 
 
 @contextlib.contextmanager
