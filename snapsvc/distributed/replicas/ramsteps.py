@@ -198,17 +198,19 @@ def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None
     view = tempfile.mkdtemp(prefix=f"snapsvc-step{m.step}-rank{rank}-")
     try:
         with contextlib.ExitStack() as fetches:   # remote copies live until the read is done
-            failed: SnapsvcError | None = None
             with _group(process_group) as group:
                 tables = _all_gather_msg({"have": sorted(copies), "needs": needs}, world, group)
-                for origin in range(m.world_size):
-                    if _serve(m, origin, tables, copies, rank, group, view):
-                        try:
-                            _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
-                        except SnapsvcError as e:   # raised after the walk: the others
-                            failed = failed or e    # still get what this rank sends
-            if failed is not None:
-                raise failed
+                # the walk only: a slow disk or remote fetch inside it would time the peers out
+                elsewhere = [origin for origin in range(m.world_size)
+                             if _serve(m, origin, tables, copies, rank, group, view)]
+            failed: list[SnapsvcError] = []
+            for origin in elsewhere:
+                try:
+                    _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
+                except SnapsvcError as e:
+                    failed.append(e)
+            if failed:
+                raise failed[0]
             yield dataclasses.replace(m, path=view)
     finally:
         shutil.rmtree(view, ignore_errors=True)
@@ -217,7 +219,8 @@ def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None
 def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
            copies: dict[int, tuple[str, str]], rank: int, group: Any, view: str) -> bool:
     """Bring ``origin``'s rank file to every rank that needs it from a RAM copy (the
-    same walk on every rank). True: no rank holds one, and this rank needs it."""
+    same walk on every rank). True: this rank needs it and no rank holds one, or
+    receiving it failed (logged): it is to come from the next source."""
     needers = [r for r, t in enumerate(tables) if origin in t["needs"]]
     if not needers:
         return False
@@ -236,10 +239,16 @@ def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
         log.info("step %d: rank %d's file from rank %d's %s", m.step, origin, h, source)
     elif rank in needers:
         header = recv_header(h, group)
-        if header["error"] is not None:
-            raise SnapsvcError(f"rank {h} could not send rank {origin}'s file: "
-                               f"{header['error']}")
-        recv_to_folder(h, group, header, view)
+        try:
+            if header["error"] is not None:
+                raise SnapsvcError(header["error"])
+            recv_to_folder(h, group, header, view)   # an OSError: the exchange kept in step
+        except (SnapsvcError, OSError) as e:
+            if isinstance(e, TimeoutError):
+                raise   # the link is lost: the walk cannot go on
+            log.warning("snapsvc: step %d: rank %d's file from rank %d's RAM could not be "
+                        "received, the next source tried: %s", m.step, origin, h, e)
+            return True   # fetched after the walk, from the disk or the remote tier
         log.info("step %d: rank %d's file from rank %d's RAM, over the gloo group",
                  m.step, origin, h)
     return False
