@@ -285,9 +285,12 @@ def scenario_remote_resume(rank, world, tmp, remote):
         # a step committed remotely between the ranks' listings: rank 0's listing has
         # step 20 (a mounted remote holding it), rank 1's not yet: one answer, no hang
         seen = os.path.join(tmp, "mounted20") if rank == 0 else None
+        before = os.path.getsize(log)
         out["latest_race"] = snapsvc.latest_checkpoint(d, remote=seen)
         # a remote tier whose newest is step 15 too: a tie goes to the fastest tier, RAM
         out["latest_tie"] = snapsvc.latest_checkpoint(d, remote=os.path.join(tmp, "tie15"))
+        with open(log) as f:   # what these two checked: no step below the remote's newest
+            out["race_log"] = f.read()[before:]
         out["unreachable"] = unreachable_listing(d, remote, rank == 0)
         out["step15"] = attempt(15, remote=remote)
         out["same15"] = same(15)
@@ -386,6 +389,9 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     assert r0["unreachable"][1] < 20 and r1["unreachable"][1] < 20
     assert r0["latest_race"] == r1["latest_race"] == str(tmp_path / "mounted20" / "step_20")
     assert "step 20 is not complete in RAM: no live copy of rank(s) [1]" in r0["log"]
+    # step 10 (its bad replica) is below every rank's remote listing there: not checked
+    assert "rank 0's replica of rank 1's file of step 10 is bad" in r0["log"]
+    assert "file of step 10" not in r0["race_log"], r0["race_log"]
     assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]
     assert r0["without_remote"] == "ok"
     assert "no good copy of rank 1's file" in r1["without_remote"]

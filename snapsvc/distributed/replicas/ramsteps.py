@@ -140,7 +140,11 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
             raise failed
         return None
     rank, world = where
-    mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates},
+    # only the steps the walk can take are CRC-checked: none below this rank's listing of
+    # the remote tier (a tie goes to RAM); whether to gather went by the whole list above,
+    # the same on every rank
+    mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates
+                     if far is None or m.step >= far[0]},
             "far": None if far is None else list(far),
             "failed": None if failed is None else [type(failed).__name__, str(failed)]}
     with _group(process_group) as group:
