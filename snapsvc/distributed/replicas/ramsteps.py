@@ -213,6 +213,8 @@ def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None
                     _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
                 except SnapsvcError as e:
                     failed.append(e)
+            for other in failed[1:]:   # the first is raised; a resharded walk may have more
+                log.error("snapsvc: rank %d, step %d: %s", rank, m.step, other)
             if failed:
                 raise failed[0]
             yield dataclasses.replace(m, path=view)
