@@ -333,7 +333,11 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     and uploaded, 15 memory-only; node B is lost (sidecar, RAM, disk). latest_checkpoint(
     remote=) takes step 15, complete in RAM, on both ranks, and it restores; when only
     rank 0's remote listing has a newer step (20: a commit between the ranks' listings)
-    both ranks take it, where before rank 1 waited in a gather rank 0 never joined. Rank 0's replica of rank 1's step
+    both ranks take it, where before rank 1 waited in a gather rank 0 never joined; a
+    remote whose newest is step 15 too (a tie) gives step 15's local path (RAM, the
+    fastest tier), and neither check CRC-checks a step below the remote's newest; when
+    rank 0's remote is unreachable (a closed port) both ranks raise the same OSError
+    naming rank 0, within seconds. Rank 0's replica of rank 1's step
     10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
     disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
     1's from the remote tier, CRC-checked, bit-exactly (from S3, and from a mounted
