@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import signal
 
 import pytest
@@ -236,6 +237,26 @@ def scenario_remote_save(rank, world, tmp, remote):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def unreachable_listing(d: str, remote: str, closed: bool) -> list:
+    """latest_checkpoint(remote=) where this rank's endpoint is a closed loopback port
+    (``closed``): the error's type and message, and the seconds it took."""
+    import socket
+    import time
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    if closed:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    try:
+        snapsvc.latest_checkpoint(d, remote=remote, timeout=3)
+        return ["no error", time.monotonic() - t0]
+    except OSError as e:
+        return [f"{type(e).__name__}: {e}", time.monotonic() - t0]
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
 def scenario_remote_resume(rank, world, tmp, remote):
     from test_replicas import _trainer
     os.environ["SNAPSVC_NODE"] = TWO_NODES[rank]
@@ -264,7 +285,13 @@ def scenario_remote_resume(rank, world, tmp, remote):
         # a step committed remotely between the ranks' listings: rank 0's listing has
         # step 20 (a mounted remote holding it), rank 1's not yet: one answer, no hang
         seen = os.path.join(tmp, "mounted20") if rank == 0 else None
+        before = os.path.getsize(log)
         out["latest_race"] = snapsvc.latest_checkpoint(d, remote=seen)
+        # a remote tier whose newest is step 15 too: a tie goes to the fastest tier, RAM
+        out["latest_tie"] = snapsvc.latest_checkpoint(d, remote=os.path.join(tmp, "tie15"))
+        with open(log) as f:   # what these two checked: no step below the remote's newest
+            out["race_log"] = f.read()[before:]
+        out["unreachable"] = unreachable_listing(d, remote, rank == 0)
         out["step15"] = attempt(15, remote=remote)
         out["same15"] = same(15)
         out["without_remote"] = attempt(10)
@@ -286,13 +313,31 @@ def _flip(data: bytes) -> bytes:
     return bytes(bad)
 
 
+def _complete_copy(step: str, to) -> None:
+    """A mounted remote tier's step complete as latest_checkpoint sees it (its manifest,
+    every file it lists at its size): the memory-only ``step``'s, its files zeros."""
+    from snapsvc.distributed.manifest import RAM_MANIFEST_NAME, read_manifest
+    m = read_manifest(os.path.join(step, RAM_MANIFEST_NAME))
+    to.mkdir(parents=True)
+    shutil.copyfile(os.path.join(step, RAM_MANIFEST_NAME), to / "manifest.msgpack")
+    for r in m.ranks:
+        files = [(r.file, r.size), (r.file + ".meta", 0)] + [
+            (c["file"], c["size"]) for c in (r.optim, r.data) if c is not None]
+        for name, size in files:
+            (to / name).write_bytes(bytes(size))
+
+
 @pytest.mark.timeout(240)   # ~9 s beside the other world tests (the fork server is up)
 def test_remote_tier_is_the_last_source(s3, tmp_path):
     """World 2 as nodes A and B, replicas=1, remote=S3 (moto); steps 5 and 10 persisted
     and uploaded, 15 memory-only; node B is lost (sidecar, RAM, disk). latest_checkpoint(
     remote=) takes step 15, complete in RAM, on both ranks, and it restores; when only
     rank 0's remote listing has a newer step (20: a commit between the ranks' listings)
-    both ranks take it, where before rank 1 waited in a gather rank 0 never joined. Rank 0's replica of rank 1's step
+    both ranks take it, where before rank 1 waited in a gather rank 0 never joined; a
+    remote whose newest is step 15 too (a tie) gives step 15's local path (RAM, the
+    fastest tier), and neither check CRC-checks a step below the remote's newest; when
+    rank 0's remote is unreachable (a closed port) both ranks raise the same OSError
+    naming rank 0, within seconds. Rank 0's replica of rank 1's step
     10 is then corrupted in place, so rank 1's file is in no good RAM copy and not on
     disk: restore_distributed(step_10, remote=) takes rank 0's from its own RAM and rank
     1's from the remote tier, CRC-checked, bit-exactly (from S3, and from a mounted
@@ -322,6 +367,7 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
             copy.write_bytes(s3.read(key))
             s3.client.delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")
         drop(held_by(d, 20, 0, 2)[1])
+        _complete_copy(os.path.join(d, "step_15"), tmp_path / "tie15" / "step_15")
         mounted = tmp_path / "mounted" / "step_10"   # the remote tier as a mounted directory
         mounted.mkdir(parents=True)
         for key in [k for k in s3.keys() if k.startswith("step_10/rank1.")]:
@@ -339,8 +385,17 @@ def test_remote_tier_is_the_last_source(s3, tmp_path):
     # newest, the same on both ranks
     assert r0["latest"] == r1["latest"] == os.path.join(d, "step_15")
     assert r0["step15"] == r1["step15"] == "ok" and r0["same15"] and r1["same15"]
+    assert r0["latest_tie"] == r1["latest_tie"] == os.path.join(d, "step_15")
+    # rank 0's remote is unreachable, rank 1's not: the same error on both, no wait
+    # (before, rank 1 waited out RAM_TIMEOUT in a gather rank 0 had left)
+    assert r0["unreachable"][0] == r1["unreachable"][0], (r0["unreachable"], r1["unreachable"])
+    assert r0["unreachable"][0].count("rank 0: listing s3://") == 1, r0["unreachable"]
+    assert r0["unreachable"][1] < 20 and r1["unreachable"][1] < 20
     assert r0["latest_race"] == r1["latest_race"] == str(tmp_path / "mounted20" / "step_20")
     assert "step 20 is not complete in RAM: no live copy of rank(s) [1]" in r0["log"]
+    # step 10 (its bad replica) is below every rank's remote listing there: not checked
+    assert "rank 0's replica of rank 1's file of step 10 is bad" in r0["log"]
+    assert "file of step 10" not in r0["race_log"], r0["race_log"]
     assert "step 15: rank 1's file from rank 0's replica RAM" in r0["log"]
     assert r0["without_remote"] == "ok"
     assert "no good copy of rank 1's file" in r1["without_remote"]

@@ -64,21 +64,30 @@ def latest_checkpoint(directory: str | os.PathLike[str],
     a live copy: the rank's own RAM, a peer's replica, or the disk; see
     docs/distributed.md "Peer replicas"): deciding that is a collective, so every
     rank must call this when such a step may exist, and every rank gets the same
-    answer. An unreachable remote is an ``OSError``, within
-    ``timeout`` (:data:`snapsvc.remote.fetch.TIMEOUT` by default).
+    answer. With ``remote``, the ranks also gather their listings of it (a collective
+    in a world of more than one: every rank must call this): a step committed there
+    between two ranks' listings gives them one answer. An unreachable remote is an
+    ``OSError`` (``TimeoutError`` past ``timeout``,
+    :data:`snapsvc.remote.fetch.TIMEOUT` by default), raised on every rank, naming
+    the rank whose listing failed.
     """
     best = _latest_local(directory)
     far = None
+    failed = None
     if remote is not None:
-        if is_url(remote):
-            far = _newest_remote(str(remote), None if best is None else best[0], timeout)
-        else:
-            far = _latest_local(remote)
+        try:   # raised after the ranks gather (ram_latest): none waits for this one
+            if is_url(remote):
+                far = _newest_remote(str(remote), None if best is None else best[0], timeout)
+            else:
+                far = _latest_local(remote)
+        except OSError as e:
+            failed = e
         if far is not None and best is not None and far[0] <= best[0]:
             far = None   # the local tier has it
     # a newer step complete in RAM (own copies, peers' replicas) or remotely: every rank
     # agrees (the remote's newest as any rank listed it, when they gather)
-    agreed = ram_latest(directory, None if best is None else best[0], far=far)
+    agreed = ram_latest(directory, None if best is None else best[0], far=far,
+                        remote=remote is not None, failed=failed)
     if agreed is not None:
         return agreed[1]
     best = far or best

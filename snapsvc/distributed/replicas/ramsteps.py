@@ -21,6 +21,7 @@ they check a step on disk.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import logging
@@ -107,21 +108,25 @@ def _group(process_group: Any) -> Iterator[Any]:
 
 
 def ram_latest(directory: str | os.PathLike[str], above: int | None,
-               process_group: Any = None, far: tuple[int, str] | None = None
+               process_group: Any = None, far: tuple[int, str] | None = None,
+               remote: bool = False, failed: OSError | None = None
                ) -> tuple[int, str] | None:
     """The newest step above ``above`` (the disk's newest) complete in RAM (see the
     module docstring), or the remote tier's newest step when newer: ``far`` is this
     rank's listing's, and the newest any rank listed is taken, so that a step
-    committed remotely between two ranks' listings gives them one answer. The same
-    on every rank; None when there is neither. A collective over the world (every
-    rank must call it) when the directory holds a step newer than ``above`` that
-    the disk alone does not complete (the same on every rank: the directory is
-    shared); else None without one (the caller takes ``far`` itself)."""
+    committed remotely between two ranks' listings gives them one answer; a tie goes
+    to RAM. ``failed``: this rank's listing's error, raised on every rank after the
+    gather (naming the rank), so that none waits for a rank that left. The same on
+    every rank; None when there is neither. A collective over the world (every rank
+    must call it) when a remote tier was listed (``remote``) in a world of more than
+    one, or when the directory holds a step newer than ``above`` that the disk alone
+    does not complete (the same on every rank: the directory is shared); else None
+    (or ``failed`` raised) without one (the caller takes ``far`` itself)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return None
+        names = []
     candidates = []
     for n in sorted((s for s in map(step_number, names) if s is not None), reverse=True):
         if above is not None and n <= above:
@@ -130,18 +135,26 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
         if m is not None and m.step == n and not _on_disk(m):
             candidates.append(m)
     where = _rank_world(process_group)
-    if not candidates or where is None:
+    if where is None or not (candidates or (remote and where[1] > 1)):
+        if failed is not None:
+            raise failed
         return None
     rank, world = where
-    mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates},
-            "far": None if far is None else list(far)}
+    # only the steps the walk can take are CRC-checked: none below this rank's listing of
+    # the remote tier (a tie goes to RAM); whether to gather went by the whole list above,
+    # the same on every rank
+    mine = {"held": {m.step: sorted(_copies(m, rank, check=True)) for m in candidates
+                     if far is None or m.step >= far[0]},
+            "far": None if far is None else list(far),
+            "failed": None if failed is None else [type(failed).__name__, str(failed)]}
     with _group(process_group) as group:
         tables = _all_gather_msg(mine, world, group)
+    _raise_listing_error(tables, failed)
     fars = [(int(t["far"][0]), str(t["far"][1])) for t in tables if t["far"] is not None]
     newest_far = max(fars) if fars else None
     for m in candidates:   # newest first: the same walk on every rank
-        if newest_far is not None and m.step <= newest_far[0]:
-            break
+        if newest_far is not None and m.step < newest_far[0]:
+            break   # a tie goes to RAM: the fastest tier
         have = {o for t in tables for o in t["held"].get(m.step, ())}
         have |= {r for r in range(m.world_size) if _rank_on_disk(m, r)}
         if have >= set(range(m.world_size)):
@@ -149,6 +162,18 @@ def ram_latest(directory: str | os.PathLike[str], above: int | None,
         log.info("step %d is not complete in RAM: no live copy of rank(s) %s", m.step,
                  sorted(set(range(m.world_size)) - have))
     return newest_far
+
+
+def _raise_listing_error(tables: list[dict[str, Any]], failed: OSError | None) -> None:
+    """The first rank's remote listing error, if any rank's failed: the same type and
+    message on every rank (this rank's own, if any, chained)."""
+    for r, t in enumerate(tables):
+        if t["failed"] is not None:
+            kind, text = t["failed"]
+            cls = getattr(builtins, kind, OSError)
+            if not (isinstance(cls, type) and issubclass(cls, OSError)):
+                cls = OSError
+            raise cls(f"rank {r}: {text}") from failed
 
 
 @contextlib.contextmanager
@@ -177,17 +202,21 @@ def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None
     view = tempfile.mkdtemp(prefix=f"snapsvc-step{m.step}-rank{rank}-")
     try:
         with contextlib.ExitStack() as fetches:   # remote copies live until the read is done
-            failed: SnapsvcError | None = None
             with _group(process_group) as group:
                 tables = _all_gather_msg({"have": sorted(copies), "needs": needs}, world, group)
-                for origin in range(m.world_size):
-                    if _serve(m, origin, tables, copies, rank, group, view):
-                        try:
-                            _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
-                        except SnapsvcError as e:   # raised after the walk: the others
-                            failed = failed or e    # still get what this rank sends
-            if failed is not None:
-                raise failed
+                # the walk only: a slow disk or remote fetch inside it would time the peers out
+                elsewhere = [origin for origin in range(m.world_size)
+                             if _serve(m, origin, tables, copies, rank, group, view)]
+            failed: list[SnapsvcError] = []
+            for origin in elsewhere:
+                try:
+                    _from_disk_or_remote(m, origin, view, remote, timeout, fetches)
+                except SnapsvcError as e:
+                    failed.append(e)
+            for other in failed[1:]:   # the first is raised; a resharded walk may have more
+                log.error("snapsvc: rank %d, step %d: %s", rank, m.step, other)
+            if failed:
+                raise failed[0]
             yield dataclasses.replace(m, path=view)
     finally:
         shutil.rmtree(view, ignore_errors=True)
@@ -196,7 +225,8 @@ def ram_step(path: str, process_group: Any, every_rank: bool, remote: Any = None
 def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
            copies: dict[int, tuple[str, str]], rank: int, group: Any, view: str) -> bool:
     """Bring ``origin``'s rank file to every rank that needs it from a RAM copy (the
-    same walk on every rank). True: no rank holds one, and this rank needs it."""
+    same walk on every rank). True: this rank needs it and no rank holds one, or
+    receiving it failed (logged): it is to come from the next source."""
     needers = [r for r, t in enumerate(tables) if origin in t["needs"]]
     if not needers:
         return False
@@ -215,10 +245,16 @@ def _serve(m: Manifest, origin: int, tables: list[dict[str, Any]],
         log.info("step %d: rank %d's file from rank %d's %s", m.step, origin, h, source)
     elif rank in needers:
         header = recv_header(h, group)
-        if header["error"] is not None:
-            raise SnapsvcError(f"rank {h} could not send rank {origin}'s file: "
-                               f"{header['error']}")
-        recv_to_folder(h, group, header, view)
+        try:
+            if header["error"] is not None:
+                raise SnapsvcError(header["error"])
+            recv_to_folder(h, group, header, view)   # an OSError: the exchange kept in step
+        except (SnapsvcError, OSError) as e:
+            if isinstance(e, TimeoutError):
+                raise   # the link is lost: the walk cannot go on
+            log.warning("snapsvc: step %d: rank %d's file from rank %d's RAM could not be "
+                        "received, the next source tried: %s", m.step, origin, h, e)
+            return True   # fetched after the walk, from the disk or the remote tier
         log.info("step %d: rank %d's file from rank %d's RAM, over the gloo group",
                  m.step, origin, h)
     return False
