@@ -281,3 +281,34 @@ def test_a_replica_holder_killed_mid_receive_leaves_no_temp_or_spare_file(tmp_pa
     holder.wait(30)
     ramtier.sweep()   # what the next sidecar's or service's start does
     assert not any(os.path.lexists(f) for f in folders)
+
+
+@pytest.mark.parametrize("record", [b"", b"relative/dir", None])
+def test_a_dead_holders_copies_stay_when_its_record_is_empty_or_unreadable(
+        tmp_path, template, dead_pid, record):
+    """A holder killed while it wrote its folder's record (an empty one, as the older
+    writer left it), a record that is no absolute path, or the record of a directory
+    whose name is no UTF-8: the directory exists, so the sweep keeps its whole copies
+    for the next writer to adopt; never a silent loss."""
+    directory = tmp_path / "d" if record is not None else Path(os.fsdecode(
+        bytes(tmp_path) + b"/caf\xe9"))
+    directory.mkdir()
+    ram = _dead_holders_copy(directory, template, dead_pid)
+    folder = os.path.dirname(ram)
+    if record is None:   # the record, as a holder of that directory writes it
+        ramtier.claim(ram, os.path.join(directory, "good5.fdl"))
+        ramtier.release_marks()
+        open(os.path.join(folder, f".owner-{dead_pid}"), "w").close()
+    else:
+        Path(folder, ".snapsvc-dir").write_bytes(record)
+    ramtier.sweep()
+    assert sorted(n for n in os.listdir(folder) if not n.startswith(".owner")) == [
+        ".snapsvc-dir", "good5.fdl", "good5.fdl.meta"]
+    got = ramtier.adopt(directory)
+    try:
+        assert got == [(os.path.join(directory, "good5.fdl"), ram)]
+    finally:
+        for _, copy in got:
+            ramtier.drop(copy)
+        ramtier.release_marks()
+    assert not os.path.exists(folder)

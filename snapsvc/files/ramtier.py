@@ -110,7 +110,8 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
     tier's folders do not exist (and ``create`` is False)."""
     full = os.path.abspath(os.fspath(path))
     root = ram_root()
-    folder = os.path.join(root, hashlib.sha256(os.path.dirname(full).encode()).hexdigest()[:16])
+    digest = hashlib.sha256(os.fsencode(os.path.dirname(full))).hexdigest()
+    folder = os.path.join(root, digest[:16])
     for _ in range(3):  # another sidecar's exit may remove an empty root between the two
         try:
             if not check_private(root, create) or not check_private(folder, create):
@@ -218,11 +219,38 @@ def _mark(folder: str, path: str | None) -> None:
     fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a dead process of our pid's: ours now
     _marks[folder] = (os.getpid(), fd)
-    record = os.path.join(folder, _RECORD)
-    if path is not None and not os.path.lexists(record):
-        with open(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                          0o600), "w") as f:
-            f.write(_home(path))
+    if path is not None and not os.path.lexists(os.path.join(folder, _RECORD)):
+        _write_record(folder, _home(path))
+
+
+def _write_record(folder: str, home: str) -> None:
+    """The record, written whole under a temp name then renamed: a writer killed (or
+    a full tmpfs) midway never leaves an empty record under the final name."""
+    temp = os.path.join(folder, f"{_RECORD}.{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with open(fd, "wb") as f:
+            f.write(os.fsencode(home))
+        os.replace(temp, os.path.join(folder, _RECORD))
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _read_record(folder: str) -> str | None:
+    """The directory ``folder``'s record names; None when there is no record, or it
+    is not an absolute path (an empty one, cut short by an older writer): unknown,
+    so the folder's copies are kept."""
+    try:
+        with open(os.path.join(folder, _RECORD), "rb") as f:
+            home = os.fsdecode(f.read())
+    except FileNotFoundError:
+        return None
+    return home if os.path.isabs(home) else None
 
 
 def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
@@ -354,11 +382,7 @@ def _sweep_one(folder: str) -> None:
     if not rest and names:
         _remove(folder, [_RECORD])
         return
-    try:
-        with open(os.path.join(folder, _RECORD), encoding="utf-8", errors="replace") as f:
-            home: str | None = f.read()
-    except FileNotFoundError:
-        home = None
+    home = _read_record(folder)
     if home is not None and not os.path.isdir(home):
         log.info("snapsvc: removing %s: RAM copies of dead processes whose directory %s "
                  "is gone", folder, home)
