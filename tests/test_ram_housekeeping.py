@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -311,4 +312,41 @@ def test_a_dead_holders_copies_stay_when_its_record_is_empty_or_unreadable(
         for _, copy in got:
             ramtier.drop(copy)
         ramtier.release_marks()
+    assert not os.path.exists(folder)
+
+
+_SAME_PID = (_NO_TORCH +   # a process of another container, with the pid of ours
+             "import fcntl, os\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+             "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "print('held', flush=True)\n"
+             "sys.stdin.read()\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_live_mark_of_another_container_with_our_pid_is_never_taken_as_ours(tmp_path):
+    """Containers sharing /dev/shm: a live process elsewhere holds a mark named by
+    our pid (an older version's ``.owner-<pid>``). Our claim neither waits for it to
+    exit (holding the folder's lock meanwhile) nor takes it as ours: our release
+    leaves it, and the sweep keeps the folder while it lives."""
+    ram = ramtier.ram_path(tmp_path / "a1.fdl", create=True)
+    folder = os.path.dirname(ram)
+    theirs = os.path.join(folder, f".owner-{os.getpid()}")
+    other = subprocess.Popen([sys.executable, "-c", _SAME_PID, theirs], cwd=ROOT, env=ENV,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        done = threading.Event()
+        threading.Thread(target=lambda: (ramtier.claim(ram, str(tmp_path / "a1.fdl")),
+                                         done.set()), daemon=True).start()
+        assert done.wait(10), "claim waited for another process's mark"
+        marks = [n for n in os.listdir(folder) if n.startswith(".owner-")]
+        assert len(marks) == 2   # theirs and ours, under a name of its own
+        ramtier.release_marks()
+        ramtier.sweep()
+        assert os.path.exists(theirs)   # a live process's: kept, and its folder
+    finally:
+        other.stdin.close()
+        other.wait(30)
+    ramtier.sweep()   # it has exited: its folder goes
     assert not os.path.exists(folder)

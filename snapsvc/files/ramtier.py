@@ -14,7 +14,9 @@ the checkpoint's files under their own names. The sidecar that wrote them
 removes them when it exits: a RAM copy lives as long as its writer.
 
 A process that holds copies in a folder marks it, first, with a file of its
-own there (``.owner-<pid>``) that it keeps locked (``flock``) until it exits:
+own there (``.owner-<pid>-<random>``: pids repeat across containers sharing
+``/dev/shm``; an older version's ``.owner-<pid>`` is a mark too) that it keeps
+locked (``flock``) until it exits:
 the kernel drops the lock when the process dies, SIGKILL included, so a lock
 that can be taken is a dead owner's. A sidecar killed before it could free its
 copies (a SIGKILLed ``snapsvc serve``, or a lingering sidecar, with no trainer
@@ -39,6 +41,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 import warnings
@@ -126,13 +129,20 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
 _OWNER = ".owner-"
 _RECORD = ".snapsvc-dir"   # the directory whose checkpoints a folder mirrors (for sweep)
 _EMPTY_AGE = 60.0   # seconds an empty folder is left to the process that just made it
-_marks: dict[str, tuple[int, int]] = {}  # folder -> (our pid, the locked fd of our mark)
+# folder -> (our pid, the locked fd of our mark, its name)
+_marks: dict[str, tuple[int, int, str]] = {}
 
 
 def _ours(folder: str) -> int | None:
     """The locked fd of this process's mark in ``folder`` (none in a forked child)."""
-    pid, fd = _marks.get(folder, (None, -1))
+    pid, fd, _ = _marks.get(folder, (None, -1, ""))
     return fd if pid == os.getpid() else None
+
+
+def _our_mark(folder: str) -> tuple[str, int]:
+    """This process's mark in ``folder`` (its path and locked fd), no longer remembered."""
+    _, fd, name = _marks.pop(folder)
+    return os.path.join(folder, name), fd
 
 
 def _lock(folder: str, create: bool, wait: bool = True) -> int | None:
@@ -214,11 +224,12 @@ def _mark(folder: str, path: str | None) -> None:
     """:func:`claim`'s mark, ``folder`` locked by us."""
     if _ours(folder) is not None:
         return
-    mark = os.path.join(folder, f"{_OWNER}{os.getpid()}")
-    _entries(folder)  # a link under our mark's name is removed, not followed
-    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a dead process of our pid's: ours now
-    _marks[folder] = (os.getpid(), fd)
+    # a name of our own, not the pid alone: containers sharing /dev/shm reuse pids
+    name = f"{_OWNER}{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(os.path.join(folder, name),
+                 os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file just made: no one else holds it
+    _marks[folder] = (os.getpid(), fd, name)
     if path is not None and not os.path.lexists(os.path.join(folder, _RECORD)):
         _write_record(folder, _home(path))
 
@@ -258,7 +269,7 @@ def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
     now (so ours to remove); None when one is a live process's. Our own mark is
     left out."""
     dead: list[tuple[str, int]] = []
-    mine = f"{_OWNER}{os.getpid()}" if _ours(folder) is not None else None
+    mine = _marks[folder][2] if _ours(folder) is not None else None
     for name in names:
         if not name.startswith(_OWNER) or name == mine:
             continue
@@ -293,7 +304,7 @@ def release_marks() -> None:
     for folder in [f for f in _marks if _ours(f) is not None]:
         lock = _lock(folder, create=False)
         try:
-            _unmark([(os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1])])
+            _unmark([_our_mark(folder)])
         finally:
             if lock is not None:
                 os.close(lock)
@@ -321,7 +332,7 @@ def _tidy(ram: str) -> None:
         if dead is None:
             return  # a live process marks it
         if _ours(folder) is not None:
-            dead.append((os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1]))
+            dead.append(_our_mark(folder))
         _unmark(dead)
         _remove(folder, [_RECORD])
     finally:
