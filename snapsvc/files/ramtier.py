@@ -53,7 +53,7 @@ from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
            "read_first", "drop", "size_of", "series", "ram_series", "complete", "number", "claim", "adopt",
-           "release_marks", "sweep"]
+           "release_marks", "sweep", "tidy"]
 
 log = logging.getLogger("snapsvc")
 
@@ -308,7 +308,7 @@ def release_marks() -> None:
         finally:
             if lock is not None:
                 os.close(lock)
-        _tidy(os.path.join(folder, "x"))
+        tidy(folder)
 
 
 def _bookkeeping(name: str) -> bool:
@@ -316,11 +316,11 @@ def _bookkeeping(name: str) -> bool:
     return name.startswith(_OWNER) or name == _RECORD
 
 
-def _tidy(ram: str) -> None:
-    """Remove the folders above a dropped RAM copy once nothing is left in it but
-    our mark and dead processes' marks, so an exited sidecar leaves no /dev/shm
-    entry (a folder still in use stays)."""
-    folder = os.path.dirname(ram)
+def tidy(folder: str) -> None:
+    """Remove the RAM folder ``folder`` (and the tier's root) once no copy is left in
+    it, only its record and our own or dead processes' marks: after a copy is dropped,
+    or a receive into it refused or failed, so that nothing leaves a /dev/shm entry.
+    A folder with copies, or marked by another live process, stays."""
     lock = _lock(folder, create=False)
     if lock is None:
         return
@@ -522,7 +522,7 @@ def drop(ram: str) -> None:
             os.unlink(name)
         except FileNotFoundError:
             pass
-    _tidy(ram)
+    tidy(os.path.dirname(ram))
 
 
 def read_first(reader: F) -> F:
