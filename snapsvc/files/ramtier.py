@@ -453,13 +453,8 @@ def _adopt(folder: str, base: str) -> list[tuple[str, str]]:
             continue
         keep.append((os.path.join(base, name), ram))
         held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
-    for name in names:
-        if not _bookkeeping(name) and name not in held_names:
-            try:
-                os.unlink(os.path.join(folder, name))
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-    _unmark(dead)
+    _remove(folder, [n for n in names if not _bookkeeping(n) and n not in held_names])
+    _unmark(dead)   # the folder stays: our mark is in it
     return keep
 
 
