@@ -379,3 +379,35 @@ def test_a_replica_refused_for_memory_limit_leaves_no_ram_folder(tmp_path, no_le
     keeper.seen.add(10)
     assert "memory_limit=1024" in keeper.room(1 << 20)
     assert ramtier.ram_folder(tmp_path / "step_10" / ".replicas" / "held-by-1") is None
+
+
+@pytest.mark.parametrize("swap", ["symlink", "file"])
+def test_a_ram_folder_swapped_while_it_is_locked_is_refused_by_name(tmp_path, swap):
+    """The directory's RAM folder replaced (by a symlink to a folder elsewhere, or by a
+    file) between its check and its opening: refused with UnsafePathError naming it,
+    never followed; not a bare OSError."""
+    ram = ramtier.ram_path(tmp_path / "a1.fdl", create=True)
+    folder = os.path.dirname(ram)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    checked = []
+
+    def swapped(frame, event, arg):
+        # right after check_private passed the folder: the swap a race would make
+        if event == "return" and frame.f_code.co_name == "check_private" \
+                and frame.f_locals.get("path") == folder and not checked:
+            checked.append(folder)
+            os.rmdir(folder)   # empty: just made
+            if swap == "symlink":
+                os.symlink(elsewhere, folder)
+            else:
+                open(folder, "w").close()
+
+    sys.setprofile(swapped)
+    try:
+        with pytest.raises(snapsvc.errors.UnsafePathError, match=folder):
+            ramtier.claim(ram, str(tmp_path / "a1.fdl"))
+    finally:
+        sys.setprofile(None)
+    assert checked and not os.listdir(elsewhere)   # nothing made through the link
+    os.unlink(folder)

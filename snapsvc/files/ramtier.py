@@ -35,6 +35,7 @@ No torch here: the sidecar imports this module.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
@@ -158,6 +159,12 @@ def _lock(folder: str, create: bool, wait: bool = True) -> int | None:
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:  # removed meanwhile (under its lock, by another)
             continue
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise UnsafePathError(f"{folder} was replaced by a symlink or a file while it was "
+                                  "locked: snapsvc keeps private snapshots there and never "
+                                  "follows one; remove it") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             if os.path.samestat(os.fstat(fd), os.lstat(folder)):
