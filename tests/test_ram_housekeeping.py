@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 import snapsvc
+from snapsvc.distributed.replicas import replica_file
+from snapsvc.distributed.replicas.keep import Keeper
 from snapsvc.files import ramtier
 from snapsvc.files.metafile import meta_path
 
@@ -248,21 +251,26 @@ def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path, template, d
     assert not os.path.exists(os.path.dirname(live))
 
 
-_RECEIVING = ("import os, sys\n"
-              "from snapsvc.distributed.replicas.keep import Keeper\n"
-              "from snapsvc.distributed.replicas.send import replica_file\n"
-              "from snapsvc.files import ramtier\n"
-              "k = Keeper(sys.argv[1], 1, 2, 2, None)\n"
-              "k.seen.add(10)\n"
-              "k.room(1 << 20)   # what the holder does before it receives step 10's replica\n"
-              "ram = ramtier.ram_path(replica_file(sys.argv[1], 10, 1, 'rank0.fdl'))\n"
-              "with open(f'{ram}.{os.getpid()}.tmp', 'wb') as f:   # recv_to_folder's temp\n"
-              "    f.write(bytes(1 << 20))\n"
-              "spare = os.path.join(k._spare_folder(create=True), f'spare{os.getpid()}-0')\n"
-              "with open(spare, 'wb') as f:   # a dropped replica's pages, kept\n"
-              "    f.write(bytes(1 << 20))\n"
-              "print(ram, spare, flush=True)\n"
-              "sys.stdin.read()\n")
+_RECEIVING = r"""
+import os, sys, time
+import torch.distributed as dist
+from snapsvc.distributed.replicas.keep import Keeper
+from snapsvc.distributed.replicas.send import Replicator
+from snapsvc.distributed.replicas.transport import _send_bytes
+from snapsvc.format.protocol import pack_value
+d, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+k = Keeper(d, rank, 2, 2, None)
+r = Replicator(d, None, rank, 2, 1, "AB"[rank], 30.0, k)
+if rank == 0:   # the origin: step 10's header, then its bytes never come
+    _send_bytes(pack_value({"names": ["rank0.fdl", "rank0.fdl.meta"], "sizes": [100, 100],
+                            "error": None}), 1, None, 30.0)
+    sys.stdin.read()
+else:           # the holder: a spare kept from an earlier round, then the receive
+    k.reserve([1 << 20])
+    print(k.spares()[0], flush=True)
+    r._receive(0, 10)
+"""
 
 
 @pytest.mark.timeout(60)
@@ -271,13 +279,135 @@ def test_a_replica_holder_killed_mid_receive_leaves_no_temp_or_spare_file(tmp_pa
     spare files go at the next start of any writer (the sweep), though the directory
     stays; while it lives, the sweep leaves them alone."""
     (tmp_path / "step_10").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", _RECEIVING, str(tmp_path)], cwd=ROOT,
-                              env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    ram, spare = holder.stdout.readline().split()
-    folders = [os.path.dirname(ram), os.path.dirname(spare)]
-    ramtier.sweep()
-    assert all(len([n for n in os.listdir(f) if not n.startswith(".")]) == 1 for f in folders)
-    holder.kill()
-    holder.wait(30)
+    origin, holder = (subprocess.Popen(
+        [sys.executable, "-c", _RECEIVING, str(tmp_path), str(rank), str(tmp_path / "store")],
+        cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1))
+    try:
+        spare = holder.stdout.readline().strip()
+        deadline, temp = time.monotonic() + 30, ""
+        while not os.path.exists(temp) and time.monotonic() < deadline:
+            time.sleep(0.05)   # its folder is made as the receive starts
+            ram = ramtier.ram_path(replica_file(str(tmp_path), 10, 1, "rank0.fdl"))
+            temp = f"{ram}.{holder.pid}.tmp"
+        folders = [os.path.dirname(temp), os.path.dirname(spare)]
+        ramtier.sweep()   # while it lives: left alone
+        assert os.path.exists(temp) and os.path.exists(spare)
+        holder.kill()
+        holder.wait(30)
+    finally:
+        for p in (origin, holder):
+            p.kill()
+            p.wait(30)
     ramtier.sweep()   # what the next sidecar's or service's start does
     assert not any(os.path.lexists(f) for f in folders)
+
+
+@pytest.mark.parametrize("record", [b"", b"relative/dir", None])
+def test_a_dead_holders_copies_stay_when_its_record_is_empty_or_unreadable(
+        tmp_path, template, dead_pid, record):
+    """A holder killed while it wrote its folder's record (an empty one, as the older
+    writer left it), a record that is no absolute path, or the record of a directory
+    whose name is no UTF-8: the directory exists, so the sweep keeps its whole copies
+    for the next writer to adopt; never a silent loss."""
+    directory = tmp_path / "d" if record is not None else Path(os.fsdecode(
+        bytes(tmp_path) + b"/caf\xe9"))
+    directory.mkdir()
+    ram = _dead_holders_copy(directory, template, dead_pid)
+    folder = os.path.dirname(ram)
+    if record is None:   # the record, as a holder of that directory writes it
+        ramtier.claim(ram, os.path.join(directory, "good5.fdl"))
+        ramtier.release_marks()
+        open(os.path.join(folder, f".owner-{dead_pid}"), "w").close()
+    else:
+        Path(folder, ".snapsvc-dir").write_bytes(record)
+    ramtier.sweep()
+    assert sorted(n for n in os.listdir(folder) if not n.startswith(".owner")) == [
+        ".snapsvc-dir", "good5.fdl", "good5.fdl.meta"]
+    got = ramtier.adopt(directory)
+    try:
+        assert got == [(os.path.join(directory, "good5.fdl"), ram)]
+    finally:
+        for _, copy in got:
+            ramtier.drop(copy)
+        ramtier.release_marks()
+    assert not os.path.exists(folder)
+
+
+_SAME_PID = (_NO_TORCH +   # a process of another container, with the pid of ours
+             "import fcntl, os\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+             "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "print('held', flush=True)\n"
+             "sys.stdin.read()\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_live_mark_of_another_container_with_our_pid_is_never_taken_as_ours(tmp_path):
+    """Containers sharing /dev/shm: a live process elsewhere holds a mark named by
+    our pid (an older version's ``.owner-<pid>``). Our claim neither waits for it to
+    exit (holding the folder's lock meanwhile) nor takes it as ours: our release
+    leaves it, and the sweep keeps the folder while it lives."""
+    ram = ramtier.ram_path(tmp_path / "a1.fdl", create=True)
+    folder = os.path.dirname(ram)
+    theirs = os.path.join(folder, f".owner-{os.getpid()}")
+    other = subprocess.Popen([sys.executable, "-c", _SAME_PID, theirs], cwd=ROOT, env=ENV,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        done = threading.Event()
+        threading.Thread(target=lambda: (ramtier.claim(ram, str(tmp_path / "a1.fdl")),
+                                         done.set()), daemon=True).start()
+        assert done.wait(10), "claim waited for another process's mark"
+        marks = [n for n in os.listdir(folder) if n.startswith(".owner-")]
+        assert len(marks) == 2   # theirs and ours, under a name of its own
+        ramtier.release_marks()
+        ramtier.sweep()
+        assert os.path.exists(theirs)   # a live process's: kept, and its folder
+    finally:
+        other.stdin.close()
+        other.wait(30)
+    ramtier.sweep()   # it has exited: its folder goes
+    assert not os.path.exists(folder)
+
+
+def test_a_replica_refused_for_memory_limit_leaves_no_ram_folder(tmp_path, no_leaks):
+    """A holder short of room (``memory_limit``) refuses step 10's replica: no copy
+    lands, and no folder with its mark and record is left in /dev/shm for it."""
+    (tmp_path / "step_10").mkdir()
+    keeper = Keeper(str(tmp_path), 1, 2, 2, memory_limit=1 << 10)
+    keeper.seen.add(10)
+    assert "memory_limit=1024" in keeper.room(1 << 20)
+    assert ramtier.ram_folder(tmp_path / "step_10" / ".replicas" / "held-by-1") is None
+
+
+@pytest.mark.parametrize("swap", ["symlink", "file"])
+def test_a_ram_folder_swapped_while_it_is_locked_is_refused_by_name(tmp_path, swap):
+    """The directory's RAM folder replaced (by a symlink to a folder elsewhere, or by a
+    file) between its check and its opening: refused with UnsafePathError naming it,
+    never followed; not a bare OSError."""
+    ram = ramtier.ram_path(tmp_path / "a1.fdl", create=True)
+    folder = os.path.dirname(ram)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    checked = []
+
+    def swapped(frame, event, arg):
+        # right after check_private passed the folder: the swap a race would make
+        if event == "return" and frame.f_code.co_name == "check_private" \
+                and frame.f_locals.get("path") == folder and not checked:
+            checked.append(folder)
+            os.rmdir(folder)   # empty: just made
+            if swap == "symlink":
+                os.symlink(elsewhere, folder)
+            else:
+                open(folder, "w").close()
+
+    sys.setprofile(swapped)
+    try:
+        with pytest.raises(snapsvc.errors.UnsafePathError, match=folder):
+            ramtier.claim(ram, str(tmp_path / "a1.fdl"))
+    finally:
+        sys.setprofile(None)
+    assert checked and not os.listdir(elsewhere)   # nothing made through the link
+    os.unlink(folder)

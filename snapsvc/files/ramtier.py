@@ -14,7 +14,9 @@ the checkpoint's files under their own names. The sidecar that wrote them
 removes them when it exits: a RAM copy lives as long as its writer.
 
 A process that holds copies in a folder marks it, first, with a file of its
-own there (``.owner-<pid>``) that it keeps locked (``flock``) until it exits:
+own there (``.owner-<pid>-<random>``: pids repeat across containers sharing
+``/dev/shm``; an older version's ``.owner-<pid>`` is a mark too) that it keeps
+locked (``flock``) until it exits:
 the kernel drops the lock when the process dies, SIGKILL included, so a lock
 that can be taken is a dead owner's. A sidecar killed before it could free its
 copies (a SIGKILLed ``snapsvc serve``, or a lingering sidecar, with no trainer
@@ -33,12 +35,14 @@ No torch here: the sidecar imports this module.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 import warnings
@@ -50,7 +54,7 @@ from .verify import verify
 
 __all__ = ["check_private", "ram_root", "ram_path", "ram_folder", "held", "problem", "good_copy",
            "read_first", "drop", "size_of", "series", "ram_series", "complete", "number", "claim", "adopt",
-           "release_marks", "sweep"]
+           "release_marks", "sweep", "tidy"]
 
 log = logging.getLogger("snapsvc")
 
@@ -110,7 +114,8 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
     tier's folders do not exist (and ``create`` is False)."""
     full = os.path.abspath(os.fspath(path))
     root = ram_root()
-    folder = os.path.join(root, hashlib.sha256(os.path.dirname(full).encode()).hexdigest()[:16])
+    digest = hashlib.sha256(os.fsencode(os.path.dirname(full))).hexdigest()
+    folder = os.path.join(root, digest[:16])
     for _ in range(3):  # another sidecar's exit may remove an empty root between the two
         try:
             if not check_private(root, create) or not check_private(folder, create):
@@ -125,13 +130,20 @@ def ram_path(path: str | os.PathLike[str], *, create: bool = False) -> str | Non
 _OWNER = ".owner-"
 _RECORD = ".snapsvc-dir"   # the directory whose checkpoints a folder mirrors (for sweep)
 _EMPTY_AGE = 60.0   # seconds an empty folder is left to the process that just made it
-_marks: dict[str, tuple[int, int]] = {}  # folder -> (our pid, the locked fd of our mark)
+# folder -> (our pid, the locked fd of our mark, its name)
+_marks: dict[str, tuple[int, int, str]] = {}
 
 
 def _ours(folder: str) -> int | None:
     """The locked fd of this process's mark in ``folder`` (none in a forked child)."""
-    pid, fd = _marks.get(folder, (None, -1))
+    pid, fd, _ = _marks.get(folder, (None, -1, ""))
     return fd if pid == os.getpid() else None
+
+
+def _our_mark(folder: str) -> tuple[str, int]:
+    """This process's mark in ``folder`` (its path and locked fd), no longer remembered."""
+    _, fd, name = _marks.pop(folder)
+    return os.path.join(folder, name), fd
 
 
 def _lock(folder: str, create: bool, wait: bool = True) -> int | None:
@@ -147,6 +159,12 @@ def _lock(folder: str, create: bool, wait: bool = True) -> int | None:
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:  # removed meanwhile (under its lock, by another)
             continue
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise UnsafePathError(f"{folder} was replaced by a symlink or a file while it was "
+                                  "locked: snapsvc keeps private snapshots there and never "
+                                  "follows one; remove it") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             if os.path.samestat(os.fstat(fd), os.lstat(folder)):
@@ -213,16 +231,44 @@ def _mark(folder: str, path: str | None) -> None:
     """:func:`claim`'s mark, ``folder`` locked by us."""
     if _ours(folder) is not None:
         return
-    mark = os.path.join(folder, f"{_OWNER}{os.getpid()}")
-    _entries(folder)  # a link under our mark's name is removed, not followed
-    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a dead process of our pid's: ours now
-    _marks[folder] = (os.getpid(), fd)
-    record = os.path.join(folder, _RECORD)
-    if path is not None and not os.path.lexists(record):
-        with open(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                          0o600), "w") as f:
-            f.write(_home(path))
+    # a name of our own, not the pid alone: containers sharing /dev/shm reuse pids
+    name = f"{_OWNER}{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(os.path.join(folder, name),
+                 os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file just made: no one else holds it
+    _marks[folder] = (os.getpid(), fd, name)
+    if path is not None and not os.path.lexists(os.path.join(folder, _RECORD)):
+        _write_record(folder, _home(path))
+
+
+def _write_record(folder: str, home: str) -> None:
+    """The record, written whole under a temp name then renamed: a writer killed (or
+    a full tmpfs) midway never leaves an empty record under the final name."""
+    temp = os.path.join(folder, f"{_RECORD}.{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with open(fd, "wb") as f:
+            f.write(os.fsencode(home))
+        os.replace(temp, os.path.join(folder, _RECORD))
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _read_record(folder: str) -> str | None:
+    """The directory ``folder``'s record names; None when there is no record, or it
+    is not an absolute path (an empty one, cut short by an older writer): unknown,
+    so the folder's copies are kept."""
+    try:
+        with open(os.path.join(folder, _RECORD), "rb") as f:
+            home = os.fsdecode(f.read())
+    except FileNotFoundError:
+        return None
+    return home if os.path.isabs(home) else None
 
 
 def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
@@ -230,7 +276,7 @@ def _dead_marks(folder: str, names: list[str]) -> list[tuple[str, int]] | None:
     now (so ours to remove); None when one is a live process's. Our own mark is
     left out."""
     dead: list[tuple[str, int]] = []
-    mine = f"{_OWNER}{os.getpid()}" if _ours(folder) is not None else None
+    mine = _marks[folder][2] if _ours(folder) is not None else None
     for name in names:
         if not name.startswith(_OWNER) or name == mine:
             continue
@@ -265,11 +311,11 @@ def release_marks() -> None:
     for folder in [f for f in _marks if _ours(f) is not None]:
         lock = _lock(folder, create=False)
         try:
-            _unmark([(os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1])])
+            _unmark([_our_mark(folder)])
         finally:
             if lock is not None:
                 os.close(lock)
-        _tidy(os.path.join(folder, "x"))
+        tidy(folder)
 
 
 def _bookkeeping(name: str) -> bool:
@@ -277,11 +323,11 @@ def _bookkeeping(name: str) -> bool:
     return name.startswith(_OWNER) or name == _RECORD
 
 
-def _tidy(ram: str) -> None:
-    """Remove the folders above a dropped RAM copy once nothing is left in it but
-    our mark and dead processes' marks, so an exited sidecar leaves no /dev/shm
-    entry (a folder still in use stays)."""
-    folder = os.path.dirname(ram)
+def tidy(folder: str) -> None:
+    """Remove the RAM folder ``folder`` (and the tier's root) once no copy is left in
+    it, only its record and our own or dead processes' marks: after a copy is dropped,
+    or a receive into it refused or failed, so that nothing leaves a /dev/shm entry.
+    A folder with copies, or marked by another live process, stays."""
     lock = _lock(folder, create=False)
     if lock is None:
         return
@@ -293,7 +339,7 @@ def _tidy(ram: str) -> None:
         if dead is None:
             return  # a live process marks it
         if _ours(folder) is not None:
-            dead.append((os.path.join(folder, f"{_OWNER}{os.getpid()}"), _marks.pop(folder)[1]))
+            dead.append(_our_mark(folder))
         _unmark(dead)
         _remove(folder, [_RECORD])
     finally:
@@ -354,11 +400,7 @@ def _sweep_one(folder: str) -> None:
     if not rest and names:
         _remove(folder, [_RECORD])
         return
-    try:
-        with open(os.path.join(folder, _RECORD), encoding="utf-8", errors="replace") as f:
-            home: str | None = f.read()
-    except FileNotFoundError:
-        home = None
+    home = _read_record(folder)
     if home is not None and not os.path.isdir(home):
         log.info("snapsvc: removing %s: RAM copies of dead processes whose directory %s "
                  "is gone", folder, home)
@@ -418,13 +460,8 @@ def _adopt(folder: str, base: str) -> list[tuple[str, str]]:
             continue
         keep.append((os.path.join(base, name), ram))
         held_names.update(os.path.basename(p) for p in checkpoint_names(ram))
-    for name in names:
-        if not _bookkeeping(name) and name not in held_names:
-            try:
-                os.unlink(os.path.join(folder, name))
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-    _unmark(dead)
+    _remove(folder, [n for n in names if not _bookkeeping(n) and n not in held_names])
+    _unmark(dead)   # the folder stays: our mark is in it
     return keep
 
 
@@ -487,7 +524,7 @@ def drop(ram: str) -> None:
             os.unlink(name)
         except FileNotFoundError:
             pass
-    _tidy(ram)
+    tidy(os.path.dirname(ram))
 
 
 def read_first(reader: F) -> F:

@@ -29,9 +29,9 @@ import logging
 import os
 
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import claim, drop, held, ram_path, size_of
+from ...files.ramtier import claim, drop, held, ram_path, size_of, tidy
 from ..manifest import step_dir, step_number
-from .send import held_by, replica_file
+from .send import held_by
 
 __all__ = ["Keeper"]
 
@@ -91,17 +91,6 @@ class Keeper:
             claim(ram, path)
         return None if ram is None else os.path.dirname(ram)
 
-    def _claim_replicas(self) -> None:
-        """Mark the RAM folder of the replica being received (of the newest step this
-        rank was told of) as this process's, before its first temp file: a holder
-        killed mid-receive then leaves a folder of a dead process, whose temp and
-        spare files the next start sweeps (:func:`snapsvc.files.ramtier.sweep`)."""
-        if self.seen:
-            path = replica_file(self.directory, max(self.seen), self.rank, "x")
-            ram = ram_path(path, create=True)
-            if ram is not None:
-                claim(ram, path)
-
     def spares(self) -> list[str]:
         """The spare files, largest first."""
         folder = self._spare_folder()
@@ -137,7 +126,7 @@ class Keeper:
             drop(p)
         folder = self._spare_folder()
         if folder is not None and os.path.isdir(folder):
-            drop(os.path.join(folder, "none"))  # no spare left (all taken): tidied all the same
+            tidy(folder)  # no spare left (all taken): tidied all the same
 
     def completed(self, step: int) -> None:
         """``step`` is complete in RAM (every rank calls this, for the same steps):
@@ -157,8 +146,7 @@ class Keeper:
     def room(self, incoming: int) -> str | None:
         """Make room for ``incoming`` bytes of replica under ``memory_limit``: None,
         or why it does not fit (after dropping what may go). Called before each
-        receive: the replica's folder is marked ours first (:meth:`_claim_replicas`)."""
-        self._claim_replicas()
+        receive, before the replica's folder is made."""
         if self.memory_limit is None:
             return None
         steps = self._steps()

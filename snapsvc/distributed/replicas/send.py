@@ -52,7 +52,7 @@ from typing import Any, Collection, Sequence
 
 from ...errors import SnapsvcError
 from ...files.metafile import checkpoint_names, meta_path
-from ...files.ramtier import drop, held, ram_path
+from ...files.ramtier import claim, drop, held, ram_path, tidy
 from ...files.verify import verify
 from ...format.protocol import pack_value, unpack_value
 from ..coord import _reason
@@ -231,6 +231,9 @@ class Replicator:
         for n in self.keeper._steps():
             for ram in held_by(self.directory, n, self.rank, self.world_size).values():
                 drop(ram)
+            folder = ram_path(replica_file(self.directory, n, self.rank, "x"))
+            if folder is not None and os.path.isdir(os.path.dirname(folder)):
+                tidy(os.path.dirname(folder))   # a step whose replica never landed
         self.keeper.clear_spares()
 
     def _run(self) -> None:
@@ -371,9 +374,10 @@ class Replicator:
         try:
             recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare,
                            self.timeout, self.pipe)
-        except TimeoutError:
-            raise   # the link is lost
-        except (OSError, SnapsvcError) as e:
+        except BaseException as e:
+            tidy(folder)   # no copy landed: its folder and our mark go
+            if isinstance(e, TimeoutError) or not isinstance(e, (OSError, SnapsvcError)):
+                raise   # the link is lost, or a bug
             return _reason(e)
         self._sizes += header["sizes"]
         return None
@@ -406,13 +410,17 @@ class Replicator:
             full = self.keeper.room(sum(header["sizes"]))
             if full is not None:
                 return None, full
-            ram = ram_path(replica_file(self.directory, step, self.rank,
-                                        metas[0][:-len(".meta")]), create=True)
+            path = replica_file(self.directory, step, self.rank, metas[0][:-len(".meta")])
+            ram = ram_path(path, create=True)
+            if ram is None:
+                return None, "no RAM tier (/dev/shm)"
+            # ours before its first temp file: a holder killed mid-receive leaves a dead
+            # process's folder, whose temp files the next start sweeps
+            claim(ram, path)
         except (OSError, SnapsvcError) as e:
             return None, _reason(e)
-        if ram is None:
-            return None, "no RAM tier (/dev/shm)"
         if meta_path(ram) != os.path.join(os.path.dirname(ram), metas[0]):
+            tidy(os.path.dirname(ram))
             return None, f"unexpected metadata name {metas[0]}"
         return os.path.dirname(ram), None
 
