@@ -105,10 +105,21 @@ def refused(path: Path, match: str) -> None:
     assert unchanged(state, before), "a refused restore changed the live state"
 
 
-def test_restores_bit_exactly_and_the_optimizer_owns_its_state(saved, tmp_path, parts):
+def test_restores_bit_exactly_and_the_optimizer_owns_its_state(saved, tmp_path, parts,
+                                                               monkeypatch):
+    from snapsvc.files import fused
+    copiers: list[Any] = []
+    made = fused.PieceCopier.__init__
+
+    def spy(self: Any, *args: Any) -> None:
+        made(self, *args)
+        copiers.append(self)
+    monkeypatch.setattr(fused.PieceCopier, "__init__", spy)
     want = make(0)
     state = make(1)
     report = snapsvc.restore(copied(saved, tmp_path), state)
+    # the optimizer's state was filled during the checksum, none left for after it
+    assert len(copiers) == 1 and copiers[0].spans and copiers[0].rest == []
     assert report.state["step"] == 0
     for k, v in want["model"].state_dict().items():
         assert torch.equal(state["model"].state_dict()[k], v)
@@ -187,3 +198,19 @@ def test_bad_ram_copy_with_no_disk_copy(tmp_path, parts):
         with pytest.raises(FormatError, match="CRC-32"):
             snapsvc.restore(d / "s.fdl", state)
         assert unchanged(state, before)
+
+
+def test_piece_copier_fills_every_destination_of_overlapping_sources() -> None:
+    """Two destinations of one span (metadata naming an entry twice) and one of a span
+    inside another: each is filled, the ones the in-cache walk cannot take after the check
+    (review: the walk assumed disjoint spans and left a fresh tensor unfilled)."""
+    from snapsvc.files.fused import PieceCopier
+    buf = bytearray(torch.arange(1 << 20, dtype=torch.int32).numpy().tobytes())  # 4 MiB
+    whole = torch.frombuffer(buf, dtype=torch.int32)
+    sources = [whole, whole, whole[1000:3000], whole[(1 << 19):]]
+    pairs = [(s, torch.empty_like(s)) for s in sources]
+    copier = PieceCopier(buf, len(buf), pairs)
+    streams.crc32_of(memoryview(buf), copier.populate, copier)
+    copier.copy_rest()
+    for i, (src, dst) in enumerate(pairs):
+        assert torch.equal(src, dst), i

@@ -204,9 +204,12 @@ class _PieceReader:
         overlapping = self.overlapping(g, offsets, lengths)
         if len(overlapping) == 1:
             p = overlapping[0][0]
-            if list(p.offsets) == list(offsets) and list(p.lengths) == list(lengths):
+            if list(p.offsets) == list(offsets) and list(p.lengths) == list(lengths) \
+                    and (p.data - p.offset) % g.dtype.itemsize == 0:
                 # the block is one whole piece (read at the sharding it was saved with):
-                # the piece's own fresh buffer, not copied a second time
+                # the piece's own fresh buffer, not copied a second time. Only where its
+                # data sits aligned for its dtype in that buffer (entry headers are not
+                # padded): what the optimizer gets is aligned, as a copy would be
                 return self.read(g, p)
         out = torch.empty(lengths, dtype=g.dtype)
         covered = 0

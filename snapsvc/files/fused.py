@@ -85,18 +85,25 @@ class PieceCopier:
     def __init__(self, buf: Any, size: int, pairs: Pairs) -> None:
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         self.rest: Pairs = []
-        found: list[tuple[int, int, torch.Tensor]] = []  # (offset, end, destination bytes)
+        found: list[tuple[int, int, torch.Tensor, Any]] = []  # (offset, end, dst bytes, pair)
         for src, dst in pairs:
             at = src.data_ptr() - base
             if src.is_contiguous() and src.nbytes and 0 <= at and at + src.nbytes <= size \
                     and dst.is_contiguous() and dst.dtype == src.dtype \
                     and dst.shape == src.shape:
-                found.append((at, at + src.nbytes, _bytes(dst)))
+                found.append((at, at + src.nbytes, _bytes(dst), (src, dst)))
             else:
                 self.rest.append((src, dst))
         found.sort(key=lambda s: s[0])
-        self.spans = found
-        self.starts = [s[0] for s in found]
+        # the walk below assumes disjoint spans: a span that overlaps the one before it
+        # (metadata naming one entry twice) is copied after the check, like the rest
+        self.spans: list[tuple[int, int, torch.Tensor]] = []
+        for at, end, dst_bytes, pair in found:
+            if self.spans and at < self.spans[-1][1]:
+                self.rest.append(pair)
+            else:
+                self.spans.append((at, end, dst_bytes))
+        self.starts = [s[0] for s in self.spans]
         self.source = torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else None
 
     def _overlapping(self, at: int, end: int) -> list[tuple[int, int, int, torch.Tensor]]:
