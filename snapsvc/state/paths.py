@@ -83,8 +83,7 @@ def param_names(state: Mapping) -> dict[int, str]:
         # named_parameters()'s names, first name of a shared one kept, without its set of
         # seen tensors: hashing a DTensor goes through __torch_function__ (~3 us each).
         # A module that overrides named_parameters() (FSDP1 strips its wrapper's prefix)
-        # is named by its modules' own attributes here, as its state_dict() keys are
-        # before such a hook
+        # gets its modules' own attribute names here, not the override's
         for prefix, mod in module.named_modules():
             for n, p in mod._parameters.items():
                 if p is not None and id(p) not in out:
