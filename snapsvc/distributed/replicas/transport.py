@@ -207,7 +207,7 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
     rest of the origin's bytes, keeping the exchange in step, then raises."""
     temps: list[tuple[str, str]] = []
     sizes = header["sizes"]
-    received = 0   # the files whose bytes came
+    received = 0   # the files whose bytes were taken: the rest is drained on an OSError
     try:
         with _pipe(pipe, max(sizes, default=0)) as p:
             for i, (name, n) in enumerate(zip(header["names"], sizes)):
@@ -220,9 +220,12 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
                              (0 if reuse else os.O_TRUNC), 0o600)
                 temps.append((temp, final))
                 try:
-                    received = i   # its bytes are taken by the pipe even when a write fails
-                    p.recv(fd, n, peer, group, timeout)
-                    received = i + 1
+                    try:
+                        p.recv(fd, n, peer, group, timeout)
+                    finally:
+                        # taken: a failed write raises only once every chunk came (a
+                        # failed receive is no OSError, or a TimeoutError: no drain)
+                        received = i + 1
                     os.ftruncate(fd, n)   # a larger spare cut to size
                 finally:
                     os.close(fd)
@@ -235,8 +238,8 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
             except FileNotFoundError:
                 pass
         if isinstance(e, OSError) and not isinstance(e, TimeoutError):
-            recv_files(peer, group, {"names": header["names"][received + 1:],
-                                     "sizes": sizes[received + 1:]}, timeout)
+            recv_files(peer, group, {"names": header["names"][received:],
+                                     "sizes": sizes[received:]}, timeout)
         raise
 
 
