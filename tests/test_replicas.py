@@ -531,7 +531,12 @@ def scenario_receiver_fails_before_the_bytes(rank, world, tmp):
         for path, n in zip(files, (300_000, 100)):
             with open(path, "wb") as f:
                 f.write(os.urandom(n))
-        out["sent"] = [T.send_files(files, 1, None, timeout=10) for _ in range(3)]
+        link = os.path.join(tmp, "link.meta")   # a file the sender cannot open (ELOOP)
+        os.symlink(files[1], link)
+        fds = len(os.listdir("/proc/self/fd"))
+        out["sent"] = [T.send_files(f, 1, None, timeout=10)
+                       for f in (files, files, [files[0], link], files)]
+        out["fds_kept"] = len(os.listdir("/proc/self/fd")) - fds
         return out
     dst = os.path.join(tmp, "dst")
     os.makedirs(dst)
@@ -540,12 +545,17 @@ def scenario_receiver_fails_before_the_bytes(rank, world, tmp):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     # 1: spare() fails on the first of two files; 2: os.open fails on the second (a
-    # directory holds its temp name); 3: a whole transfer on the same group
+    # directory holds its temp name); 3: the sender cannot open its second file;
+    # 4: a whole transfer on the same group
     blocker = os.path.join(dst, f"a.fdl.meta.{os.getpid()}.tmp")
-    for attempt, spare in ((1, no_space), (2, None), (3, None)):
+    for attempt, spare in ((1, no_space), (2, None), (3, None), (4, None)):
         if attempt == 2:
             os.mkdir(blocker)
         header = T.recv_header(0, None, 10)
+        if header["error"] is not None:
+            out["got"].append(header["error"])
+            out[f"left{attempt}"] = sorted(os.listdir(dst))
+            continue
         try:
             T.recv_to_folder(0, None, header, dst, spare, timeout=10)
             out["got"].append("ok")
@@ -566,11 +576,14 @@ def test_receiver_failure_before_the_bytes_keeps_the_exchange_in_step(tmp_path):
     (spare() raises ENOSPC on the first of two files; the second's temp file cannot be
     opened): it still takes every byte the sender sends (gloo would abort the process on
     a short receive), leaves no temp file, raises the error, and the next transfer on
-    the same group arrives whole."""
+    the same group arrives whole. A sender that cannot open one of its files (a symlink)
+    sends a header naming the error and no bytes, and keeps no file open."""
     codes, results = run_world(tmp_path, 2, scenario_receiver_fails_before_the_bytes, run_s=50)
     assert codes == [0, 0], codes
-    assert results[0]["sent"] == [300_100] * 3
+    assert results[0]["sent"] == [300_100, 300_100, 0, 300_100]
+    assert results[0]["fds_kept"] == 0
     got = results[1]
-    assert got["got"] == ["ENOSPC", "EISDIR", "ok"], got
-    assert got["left1"] == [] and got["left2"] == [], got
-    assert got["left3"] == ["a.fdl", "a.fdl.meta"] and got["same"] == [True, True], got
+    assert got["got"][:2] == ["ENOSPC", "EISDIR"] and got["got"][3] == "ok", got
+    assert "link.meta" in got["got"][2] and "symbolic links" in got["got"][2], got
+    assert got["left1"] == got["left2"] == got["left3"] == [], got
+    assert got["left4"] == ["a.fdl", "a.fdl.meta"] and got["same"] == [True, True], got

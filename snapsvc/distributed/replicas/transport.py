@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...format.protocol import pack_value, unpack_value
+from ..coord import _reason
 
 __all__ = ["CHUNK", "Pipe", "send_files", "recv_header", "recv_files", "recv_to_folder"]
 
@@ -163,11 +164,17 @@ def send_files(paths: list[str], peer: int, group: Any, error: str | None = None
     """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
     ``error``), then each non-empty file's bytes in chunks; the bytes sent.
     ``timeout``: seconds each message may take (None: as the group says);
-    ``pipe``: buffers to reuse (else made for this call)."""
+    ``pipe``: buffers to reuse (else made for this call). A file that cannot be
+    opened is sent as a header with its error, and no bytes."""
     present = [p for p in paths if os.path.exists(p)] if error is None else []
-    fds = [os.open(p, os.O_RDONLY | os.O_NOFOLLOW) for p in present]
+    fds: list[int] = []
     try:
-        sizes = [os.fstat(fd).st_size for fd in fds]   # the sizes of what is read
+        try:
+            for path in present:
+                fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW))
+            sizes = [os.fstat(fd).st_size for fd in fds]   # the sizes of what is read
+        except OSError as e:   # gone since, or a symlink: the peer still gets its header
+            present, sizes, error = [], [], _reason(e)
         _send_bytes(pack_value({"names": [os.path.basename(p) for p in present],
                                 "sizes": sizes, "error": error}), peer, group, timeout)
         with _pipe(pipe, max(sizes, default=0)) as p:
