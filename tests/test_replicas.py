@@ -537,6 +537,9 @@ def scenario_receiver_fails_before_the_bytes(rank, world, tmp):
         out["sent"] = [T.send_files(f, 1, None, timeout=10)
                        for f in (files, files, [files[0], link], files)]
         out["fds_kept"] = len(os.listdir("/proc/self/fd")) - fds
+        for _ in range(2):   # each after rank 1 gave up receiving it
+            torch.distributed.barrier()
+            T._send(torch.ones(8, dtype=torch.uint8), 1, None, 10)
         return out
     dst = os.path.join(tmp, "dst")
     os.makedirs(dst)
@@ -567,6 +570,18 @@ def scenario_receiver_fails_before_the_bytes(rank, world, tmp):
     for path in files:
         with open(path, "rb") as a, open(os.path.join(dst, os.path.basename(path)), "rb") as b:
             out.setdefault("same", []).append(a.read() == b.read())
+    # receives given up on: one done since is no longer kept alive
+    import time
+    kept = []
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            T._recv(torch.zeros(8, dtype=torch.uint8), 0, None, 0.2)
+        kept.append(len(T._abandoned))
+        torch.distributed.barrier()
+        deadline = time.monotonic() + 10
+        while not T._abandoned[-1][0].is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    out["abandoned"] = kept
     return out
 
 
@@ -577,7 +592,8 @@ def test_receiver_failure_before_the_bytes_keeps_the_exchange_in_step(tmp_path):
     opened): it still takes every byte the sender sends (gloo would abort the process on
     a short receive), leaves no temp file, raises the error, and the next transfer on
     the same group arrives whole. A sender that cannot open one of its files (a symlink)
-    sends a header naming the error and no bytes, and keeps no file open."""
+    sends a header naming the error and no bytes, and keeps no file open. A receive
+    given up on is kept alive only until it completes."""
     codes, results = run_world(tmp_path, 2, scenario_receiver_fails_before_the_bytes, run_s=50)
     assert codes == [0, 0], codes
     assert results[0]["sent"] == [300_100, 300_100, 0, 300_100]
@@ -587,3 +603,4 @@ def test_receiver_failure_before_the_bytes_keeps_the_exchange_in_step(tmp_path):
     assert "link.meta" in got["got"][2] and "symbolic links" in got["got"][2], got
     assert got["left1"] == got["left2"] == got["left3"] == [], got
     assert got["left4"] == ["a.fdl", "a.fdl.meta"] and got["same"] == [True, True], got
+    assert got["abandoned"] == [1, 1], got

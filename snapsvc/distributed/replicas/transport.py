@@ -55,6 +55,8 @@ def _wait(work: Any, timeout: float | None, what: str, keep: Any = None) -> None
 
     threading.Thread(target=waiter, name="snapsvc-replica-wait", daemon=True).start()
     if not done.wait(timeout):
+        # those done since are dropped: each kept buffer is up to a chunk
+        _abandoned[:] = [(w, k) for w, k in _abandoned if not w.is_completed()]
         _abandoned.append((work, keep))
         raise TimeoutError(f"{what}: not done within {timeout:g} s")
     if errors:
