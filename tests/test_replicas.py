@@ -520,3 +520,87 @@ def test_holder_write_failure_keeps_the_exchange_in_step(tmp_path):
     assert "only 0 of 1 replica(s) placed" in a["2"], a["2"]
     assert results[1]["left"] == [] and results[1]["held"] == {"1": [], "2": []}
     assert results[0]["held"] == {"1": [1], "2": [1]}
+
+
+def scenario_receiver_fails_before_the_bytes(rank, world, tmp):
+    import errno
+    from snapsvc.distributed.replicas import transport as T
+    files = [os.path.join(tmp, "a.fdl"), os.path.join(tmp, "a.fdl.meta")]
+    out: dict = {"got": []}
+    if rank == 0:
+        for path, n in zip(files, (300_000, 100)):
+            with open(path, "wb") as f:
+                f.write(os.urandom(n))
+        link = os.path.join(tmp, "link.meta")   # a file the sender cannot open (ELOOP)
+        os.symlink(files[1], link)
+        fds = len(os.listdir("/proc/self/fd"))
+        out["sent"] = [T.send_files(f, 1, None, timeout=10)
+                       for f in (files, files, [files[0], link], files)]
+        out["fds_kept"] = len(os.listdir("/proc/self/fd")) - fds
+        for _ in range(2):   # each after rank 1 gave up receiving it
+            torch.distributed.barrier()
+            T._send(torch.ones(8, dtype=torch.uint8), 1, None, 10)
+        return out
+    dst = os.path.join(tmp, "dst")
+    os.makedirs(dst)
+
+    def no_space(n):   # the first file's spare: a full tmpfs
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # 1: spare() fails on the first of two files; 2: os.open fails on the second (a
+    # directory holds its temp name); 3: the sender cannot open its second file;
+    # 4: a whole transfer on the same group
+    blocker = os.path.join(dst, f"a.fdl.meta.{os.getpid()}.tmp")
+    for attempt, spare in ((1, no_space), (2, None), (3, None), (4, None)):
+        if attempt == 2:
+            os.mkdir(blocker)
+        header = T.recv_header(0, None, 10)
+        if header["error"] is not None:
+            out["got"].append(header["error"])
+            out[f"left{attempt}"] = sorted(os.listdir(dst))
+            continue
+        try:
+            T.recv_to_folder(0, None, header, dst, spare, timeout=10)
+            out["got"].append("ok")
+        except OSError as e:
+            out["got"].append(errno.errorcode.get(e.errno or 0, str(e)))
+        if attempt == 2:
+            os.rmdir(blocker)
+        out[f"left{attempt}"] = sorted(os.listdir(dst))
+    for path in files:
+        with open(path, "rb") as a, open(os.path.join(dst, os.path.basename(path)), "rb") as b:
+            out.setdefault("same", []).append(a.read() == b.read())
+    # receives given up on: one done since is no longer kept alive
+    import time
+    kept = []
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            T._recv(torch.zeros(8, dtype=torch.uint8), 0, None, 0.2)
+        kept.append(len(T._abandoned))
+        torch.distributed.barrier()
+        deadline = time.monotonic() + 10
+        while not T._abandoned[-1][0].is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    out["abandoned"] = kept
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_receiver_failure_before_the_bytes_keeps_the_exchange_in_step(tmp_path):
+    """World 2, transport only. The receiver fails on a file before taking its bytes
+    (spare() raises ENOSPC on the first of two files; the second's temp file cannot be
+    opened): it still takes every byte the sender sends (gloo would abort the process on
+    a short receive), leaves no temp file, raises the error, and the next transfer on
+    the same group arrives whole. A sender that cannot open one of its files (a symlink)
+    sends a header naming the error and no bytes, and keeps no file open. A receive
+    given up on is kept alive only until it completes."""
+    codes, results = run_world(tmp_path, 2, scenario_receiver_fails_before_the_bytes, run_s=50)
+    assert codes == [0, 0], codes
+    assert results[0]["sent"] == [300_100, 300_100, 0, 300_100]
+    assert results[0]["fds_kept"] == 0
+    got = results[1]
+    assert got["got"][:2] == ["ENOSPC", "EISDIR"] and got["got"][3] == "ok", got
+    assert "link.meta" in got["got"][2] and "symbolic links" in got["got"][2], got
+    assert got["left1"] == got["left2"] == got["left3"] == [], got
+    assert got["left4"] == ["a.fdl", "a.fdl.meta"] and got["same"] == [True, True], got
+    assert got["abandoned"] == [1, 1], got

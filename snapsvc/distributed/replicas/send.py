@@ -240,7 +240,11 @@ class Replicator:
         while (job := self.queue.get()) is not None:
             handle, tables = job
             if self._spare_thread is not None:
-                self._spare_thread.join()   # a fallocate: bounded
+                # a fallocate, bounded by the replicator's timeout: one still running
+                # past it is kept (stop() joins it) and this round goes without spares
+                self._spare_thread.join(self.timeout)
+                if not self._spare_thread.is_alive():
+                    self._spare_thread = None
             try:
                 self._agree(tables)
                 if handle is not None:
@@ -372,8 +376,8 @@ class Replicator:
             recv_files(origin, self.group, header, self.timeout)   # drained
             return why
         try:
-            recv_to_folder(origin, self.group, header, folder, self.keeper.take_spare,
-                           self.timeout, self.pipe)
+            spare = self.keeper.take_spare if self._spare_thread is None else None
+            recv_to_folder(origin, self.group, header, folder, spare, self.timeout, self.pipe)
         except BaseException as e:
             tidy(folder)   # no copy landed: its folder and our mark go
             if isinstance(e, TimeoutError) or not isinstance(e, (OSError, SnapsvcError)):
@@ -385,8 +389,11 @@ class Replicator:
     def _spare_later(self) -> None:
         """``keeper.reserve`` for this round's files, on a thread of low
         priority (on Linux, a thread's own nice value), so that reserving pages takes
-        no CPU from training; the next round, and a close, wait for it."""
+        no CPU from training; the next round (at most the timeout) and a close wait
+        for it. None while the last one still runs."""
         sizes, self._sizes = self._sizes, []
+        if self._spare_thread is not None:   # the last one still reserving
+            return
 
         def run() -> None:
             try:

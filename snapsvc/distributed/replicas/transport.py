@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...format.protocol import pack_value, unpack_value
+from ..coord import _reason
 
 __all__ = ["CHUNK", "Pipe", "send_files", "recv_header", "recv_files", "recv_to_folder"]
 
@@ -54,6 +55,8 @@ def _wait(work: Any, timeout: float | None, what: str, keep: Any = None) -> None
 
     threading.Thread(target=waiter, name="snapsvc-replica-wait", daemon=True).start()
     if not done.wait(timeout):
+        # those done since are dropped: each kept buffer is up to a chunk
+        _abandoned[:] = [(w, k) for w, k in _abandoned if not w.is_completed()]
         _abandoned.append((work, keep))
         raise TimeoutError(f"{what}: not done within {timeout:g} s")
     if errors:
@@ -163,11 +166,17 @@ def send_files(paths: list[str], peer: int, group: Any, error: str | None = None
     """The files ``paths`` (any may be missing) to ``peer``: a header (names, sizes,
     ``error``), then each non-empty file's bytes in chunks; the bytes sent.
     ``timeout``: seconds each message may take (None: as the group says);
-    ``pipe``: buffers to reuse (else made for this call)."""
+    ``pipe``: buffers to reuse (else made for this call). A file that cannot be
+    opened is sent as a header with its error, and no bytes."""
     present = [p for p in paths if os.path.exists(p)] if error is None else []
-    fds = [os.open(p, os.O_RDONLY | os.O_NOFOLLOW) for p in present]
+    fds: list[int] = []
     try:
-        sizes = [os.fstat(fd).st_size for fd in fds]   # the sizes of what is read
+        try:
+            for path in present:
+                fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW))
+            sizes = [os.fstat(fd).st_size for fd in fds]   # the sizes of what is read
+        except OSError as e:   # gone since, or a symlink: the peer still gets its header
+            present, sizes, error = [], [], _reason(e)
         _send_bytes(pack_value({"names": [os.path.basename(p) for p in present],
                                 "sizes": sizes, "error": error}), peer, group, timeout)
         with _pipe(pipe, max(sizes, default=0)) as p:
@@ -207,7 +216,7 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
     rest of the origin's bytes, keeping the exchange in step, then raises."""
     temps: list[tuple[str, str]] = []
     sizes = header["sizes"]
-    received = 0   # the files whose bytes came
+    received = 0   # the files whose bytes were taken: the rest is drained on an OSError
     try:
         with _pipe(pipe, max(sizes, default=0)) as p:
             for i, (name, n) in enumerate(zip(header["names"], sizes)):
@@ -220,9 +229,12 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
                              (0 if reuse else os.O_TRUNC), 0o600)
                 temps.append((temp, final))
                 try:
-                    received = i   # its bytes are taken by the pipe even when a write fails
-                    p.recv(fd, n, peer, group, timeout)
-                    received = i + 1
+                    try:
+                        p.recv(fd, n, peer, group, timeout)
+                    finally:
+                        # taken: a failed write raises only once every chunk came (a
+                        # failed receive is no OSError, or a TimeoutError: no drain)
+                        received = i + 1
                     os.ftruncate(fd, n)   # a larger spare cut to size
                 finally:
                     os.close(fd)
@@ -235,8 +247,8 @@ def recv_to_folder(peer: int, group: Any, header: dict[str, Any], folder: str,
             except FileNotFoundError:
                 pass
         if isinstance(e, OSError) and not isinstance(e, TimeoutError):
-            recv_files(peer, group, {"names": header["names"][received + 1:],
-                                     "sizes": sizes[received + 1:]}, timeout)
+            recv_files(peer, group, {"names": header["names"][received:],
+                                     "sizes": sizes[received:]}, timeout)
         raise
 
 
