@@ -43,6 +43,17 @@ def dead_pid():
     return int(dead.stdout)
 
 
+@pytest.fixture
+def own_root(tmp_path, monkeypatch):
+    """A RAM tier of this test's own (in this process). For the tests that put a foreign
+    entry in the user's root on purpose (a symlinked or swapped folder): in the shared
+    /dev/shm root the sweeps of writers starting beside them (other tests, other
+    workers) would remove it first, or warn about it in their output."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(ramtier, "SHM", str(shm))
+
+
 def _dead_holders_copy(directory, template, pid, name="good5.fdl") -> str:
     """What a SIGKILLed holder leaves for ``directory``: a whole RAM copy ``name`` and
     its mark, no longer locked. The copy's RAM path."""
@@ -133,7 +144,7 @@ def test_a_symlinked_owner_mark_is_removed_not_followed_and_the_writer_starts(
 
 
 def test_symlinks_anywhere_in_the_ram_tier_are_removed_with_a_warning_never_followed(
-        tmp_path, template, dead_pid):
+        tmp_path, template, dead_pid, own_root):
     """Siblings, at adoption and sweep: a symlinked copy and metadata (to a whole
     checkpoint elsewhere), a symlinked mark, and a symlinked folder in the user's
     root: each removed with a warning naming it, never read nor adopted; the
@@ -382,7 +393,7 @@ def test_a_replica_refused_for_memory_limit_leaves_no_ram_folder(tmp_path, no_le
 
 
 @pytest.mark.parametrize("swap", ["symlink", "file"])
-def test_a_ram_folder_swapped_while_it_is_locked_is_refused_by_name(tmp_path, swap):
+def test_a_ram_folder_swapped_while_it_is_locked_is_refused_by_name(tmp_path, swap, own_root):
     """The directory's RAM folder replaced (by a symlink to a folder elsewhere, or by a
     file) between its check and its opening: refused with UnsafePathError naming it,
     never followed; not a bare OSError."""
