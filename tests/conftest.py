@@ -191,11 +191,11 @@ def world1(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _sigint_deliverable() -> Iterator[None]:
-    """SIGINT unblocked in this process's main thread before and after each test. In a
-    full run something left it blocked in both workers (in-process library code; snapsvc
-    blocks no signal), and from then on every Ctrl-C test hung or saw no
-    KeyboardInterrupt: a blocked mask is also inherited by the trainers the tests start.
-    It is put back with a warning, so the culprit shows in the warnings summary."""
+    """SIGINT deliverable in this process's main thread before and after each test: not
+    blocked, and Python's own handler. In a full run something in-process left it
+    ignored or blocked in both workers, and from then on every Ctrl-C test hung or saw no
+    KeyboardInterrupt (the trainers the tests start inherit both). It is put back with a
+    warning, so the culprit shows in the warnings summary."""
     _unblock_sigint("before this test")
     yield
     _unblock_sigint("by this test's code")
@@ -205,8 +205,16 @@ def _unblock_sigint(when: str) -> None:
     import signal
     import threading
     import warnings
-    if threading.current_thread() is threading.main_thread() \
-            and signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         warnings.warn(f"SIGINT was left blocked in the main thread {when}; unblocked",
+                      RuntimeWarning)
+    # ignored (SIG_IGN is inherited by the trainers a test starts, across exec) or
+    # another handler: a Ctrl-C test then never sees its KeyboardInterrupt
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"SIGINT's handler was left as {handler!r} {when}; put back",
                       RuntimeWarning)
